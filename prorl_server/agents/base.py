@@ -1,0 +1,128 @@
+"""The AgentHandler interface: what a task family implements.
+
+A handler is chosen by the request's `handler` field. The job pipeline calls
+`validate` at submission, then `init` -> `run` -> `evaluate`, each in its own
+phase with its own concurrency limit, and `shape_result` last. An exception
+in a phase goes to that phase's hook, which classifies it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorl_server.agents.recorder import TrajectoryRecorder
+from prorl_server.errors import InfrastructureError
+from prorl_server.llm.base import ChatResult, Sampling
+from prorl_server.sandbox.base import Sandbox
+
+ChatFn = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]], Sampling], Awaitable[ChatResult]]
+SandboxFactory = Callable[[str | None], Awaitable[Sandbox]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_turns: int
+    tool_timeout_s: float
+
+
+@dataclass
+class EvalOutcome:
+    reward: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FailureInfo:
+    """How a handler classifies an exception: infrastructure or policy."""
+
+    infrastructure: bool
+    reason: str
+    message: str
+
+
+class RolloutContext:
+    """Everything a handler may use during one job."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        instance: dict[str, Any],
+        limits: Limits,
+        sampling: Sampling,
+        chat: ChatFn,
+        sandbox_factory: SandboxFactory,
+        recorder: TrajectoryRecorder,
+    ) -> None:
+        self.job_id = job_id
+        self.instance = instance
+        self.limits = limits
+        self.sampling = sampling
+        self.chat = chat
+        self.recorder = recorder
+        self.state: dict[str, Any] = {}
+        self._sandbox_factory = sandbox_factory
+        self._sandboxes: list[Sandbox] = []
+
+    async def open_sandbox(self, image: str | None = None) -> Sandbox:
+        """Start a sandbox for this job; the pipeline removes it when the job ends."""
+        sandbox = await self._sandbox_factory(image)
+        self._sandboxes.append(sandbox)
+        return sandbox
+
+    @property
+    def sandbox(self) -> Sandbox:
+        """The job's first sandbox."""
+        if not self._sandboxes:
+            raise InfrastructureError("no sandbox was opened in init", reason="no_sandbox")
+        return self._sandboxes[0]
+
+    async def close_sandboxes(self) -> None:
+        sandboxes, self._sandboxes = self._sandboxes, []
+        for sandbox in sandboxes:
+            await sandbox.close()
+
+
+def classify(exc: BaseException) -> FailureInfo:
+    """Default classification: our own dependency errors are infrastructure,
+    anything unexpected is infrastructure too (a bug is never the policy's fault)."""
+    if isinstance(exc, InfrastructureError):
+        return FailureInfo(True, exc.reason, exc.message)
+    return FailureInfo(True, "internal", f"{type(exc).__name__}: {exc}")
+
+
+class AgentHandler(abc.ABC):
+    """One task family. Subclasses set `name` and implement the three phases."""
+
+    name: str = ""
+    default_image: str | None = None
+    """Image when the request names none; None: the server's default image."""
+
+    @abc.abstractmethod
+    def validate(self, instance: dict[str, Any]) -> None:
+        """Raise InvalidArgument naming the problem if the instance is unusable."""
+
+    @abc.abstractmethod
+    async def init(self, ctx: RolloutContext) -> None: ...
+
+    @abc.abstractmethod
+    async def run(self, ctx: RolloutContext) -> None: ...
+
+    @abc.abstractmethod
+    async def evaluate(self, ctx: RolloutContext) -> EvalOutcome: ...
+
+    def on_init_error(self, ctx: RolloutContext, exc: BaseException) -> FailureInfo:
+        return classify(exc)
+
+    def on_run_error(self, ctx: RolloutContext, exc: BaseException) -> FailureInfo:
+        return classify(exc)
+
+    def on_eval_error(self, ctx: RolloutContext, exc: BaseException) -> FailureInfo:
+        return classify(exc)
+
+    def shape_result(self, ctx: RolloutContext, details: dict[str, Any]) -> dict[str, Any]:
+        """Last word on the result's details (e.g. drop bulky fields)."""
+        return details

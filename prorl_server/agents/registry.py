@@ -1,0 +1,35 @@
+"""Handlers by name: the request's `handler` field picks one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prorl_server.agents.base import AgentHandler
+from prorl_server.agents.math import MathHandler
+from prorl_server.errors import InvalidArgument
+
+
+class HandlerRegistry:
+    def __init__(self, handlers: Iterable[AgentHandler] = ()) -> None:
+        self._handlers: dict[str, AgentHandler] = {}
+        for handler in handlers:
+            self.register(handler)
+
+    def register(self, handler: AgentHandler) -> None:
+        if not handler.name:
+            raise ValueError(f"{type(handler).__name__} has no name")
+        self._handlers[handler.name] = handler
+
+    def get(self, name: str) -> AgentHandler:
+        handler = self._handlers.get(name)
+        if handler is None:
+            known = ", ".join(sorted(self._handlers)) or "none"
+            raise InvalidArgument(f"unknown handler {name!r}; this server has: {known}")
+        return handler
+
+    def names(self) -> list[str]:
+        return sorted(self._handlers)
+
+
+def default_registry() -> HandlerRegistry:
+    return HandlerRegistry([MathHandler()])

@@ -1,0 +1,119 @@
+"""Tools an agent can call. bash and python run inside the job's sandbox."""
+
+from __future__ import annotations
+
+import abc
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prorl_server.agents.base import RolloutContext
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    output: str
+    exit_code: int | None = None
+    truncated: bool = False
+    error: bool = False
+    """The call could not run as asked (a policy format error)."""
+    duration_s: float = 0.0
+
+
+class Tool(abc.ABC):
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    """JSON Schema of the arguments object."""
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI `tools` entry for this tool."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+    def check_arguments(self, arguments: dict[str, Any]) -> str | None:
+        """A message naming the problem, or None when the arguments fit the schema."""
+        properties: dict[str, Any] = self.parameters.get("properties", {})
+        for required in self.parameters.get("required", []):
+            if required not in arguments:
+                example = json.dumps({"name": self.name, "arguments": {required: "..."}})
+                return f"{self.name} needs the argument {required!r}, e.g. {example}"
+        unknown = sorted(set(arguments) - set(properties))
+        if unknown:
+            return f"{self.name} has no argument(s) {unknown}; it takes {sorted(properties)}"
+        for key, spec in properties.items():
+            if key in arguments and spec.get("type") == "string" and not isinstance(arguments[key], str):
+                return f"{self.name}: argument {key!r} must be a string"
+        return None
+
+    @abc.abstractmethod
+    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput: ...
+
+
+class _SandboxCommand(Tool):
+    argument: str
+
+    def argv(self, value: str) -> list[str]:
+        raise NotImplementedError
+
+    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
+        result = await ctx.sandbox.exec(self.argv(arguments[self.argument]), timeout_s=ctx.limits.tool_timeout_s)
+        return ToolOutput(
+            output=result.output,
+            exit_code=result.exit_code,
+            truncated=result.truncated,
+            duration_s=result.duration_s,
+        )
+
+
+class BashTool(_SandboxCommand):
+    name = "bash"
+    description = "Run a bash command in the sandbox and return its output and exit code."
+    parameters = {
+        "type": "object",
+        "properties": {"command": {"type": "string", "description": "The command to run."}},
+        "required": ["command"],
+    }
+    argument = "command"
+
+    def argv(self, value: str) -> list[str]:
+        return ["bash", "-c", value]
+
+
+class PythonTool(_SandboxCommand):
+    name = "python"
+    description = "Run a Python 3 program in the sandbox; print() what you want to see."
+    parameters = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "The Python source to run."}},
+        "required": ["code"],
+    }
+    argument = "code"
+
+    def argv(self, value: str) -> list[str]:
+        return ["python3", "-c", value]
+
+
+class FinishTool(Tool):
+    name = "finish"
+    description = "Submit your final answer and end the task."
+    parameters = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "description": "The final answer."}},
+        "required": ["answer"],
+    }
+
+    def check_arguments(self, arguments: dict[str, Any]) -> str | None:
+        if isinstance(arguments.get("answer"), (int, float)):
+            arguments["answer"] = str(arguments["answer"])
+        return super().check_arguments(arguments)
+
+    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
+        started = time.perf_counter()
+        ctx.state["answer"] = arguments["answer"]
+        ctx.state["finished"] = True
+        return ToolOutput(output="Answer submitted.", duration_s=time.perf_counter() - started)

@@ -1,0 +1,97 @@
+"""AdminService: the backend pool and the server's load."""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+
+from prorl_client import v1
+from prorl_server.errors import InvalidArgument
+from prorl_server.jobs.manager import JobManager
+from prorl_server.llm.base import BackendInfo
+from prorl_server.llm.openai_chat import OpenAIChatBackend
+from prorl_server.llm.router import BackendEntry
+
+BACKEND_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def backend_to_proto(entry: BackendEntry) -> v1.Backend:
+    info = entry.backend.info
+    return v1.Backend(
+        id=info.id,
+        kind=v1.BACKEND_KIND_OPENAI_CHAT,
+        base_url=info.base_url,
+        model=info.model,
+        max_in_flight=info.max_in_flight,
+        state=v1.BackendState(
+            healthy=entry.healthy,
+            in_flight=entry.in_flight,
+            requests_total=entry.requests_total,
+            errors_total=entry.errors_total,
+            managed=entry.managed,
+        ),
+    )
+
+
+def backend_from_proto(backend: v1.Backend, *, timeout_s: float, max_retries: int) -> OpenAIChatBackend:
+    if not BACKEND_ID.match(backend.id):
+        raise InvalidArgument(f"backend.id {backend.id[:80]!r} is invalid: use 1-64 characters of A-Z a-z 0-9 . _ : -")
+    if backend.kind != v1.BACKEND_KIND_OPENAI_CHAT:
+        raise InvalidArgument(
+            f"backend.kind {v1.BackendKind.Name(backend.kind)} is not supported; use BACKEND_KIND_OPENAI_CHAT"
+        )
+    if not backend.base_url.startswith(("http://", "https://")):
+        raise InvalidArgument(f"backend.base_url must be an http(s) URL such as http://host:8000/v1, got {backend.base_url!r}")
+    if backend.max_in_flight < 0:
+        raise InvalidArgument(f"backend.max_in_flight must not be negative, got {backend.max_in_flight}")
+    info = BackendInfo(
+        id=backend.id,
+        kind="openai_chat",
+        base_url=backend.base_url.rstrip("/"),
+        model=backend.model,
+        max_in_flight=backend.max_in_flight,
+    )
+    return OpenAIChatBackend(info, api_key=backend.api_key, timeout_s=timeout_s, max_retries=max_retries)
+
+
+class AdminServicer(v1.AdminServiceServicer):
+    def __init__(self, manager: JobManager, *, request_timeout_s: float, max_retries: int) -> None:
+        self._manager = manager
+        self._timeout_s = request_timeout_s
+        self._max_retries = max_retries
+
+    async def AddBackend(  # noqa: N802
+        self, request: v1.AddBackendRequest, context: grpc.aio.ServicerContext
+    ) -> v1.AddBackendResponse:
+        backend = backend_from_proto(request.backend, timeout_s=self._timeout_s, max_retries=self._max_retries)
+        entry = self._manager.pool.add(backend)
+        return v1.AddBackendResponse(backend=backend_to_proto(entry))
+
+    async def RemoveBackend(  # noqa: N802
+        self, request: v1.RemoveBackendRequest, context: grpc.aio.ServicerContext
+    ) -> v1.RemoveBackendResponse:
+        await self._manager.pool.remove(request.backend_id)
+        return v1.RemoveBackendResponse()
+
+    async def ListBackends(  # noqa: N802
+        self, request: v1.ListBackendsRequest, context: grpc.aio.ServicerContext
+    ) -> v1.ListBackendsResponse:
+        return v1.ListBackendsResponse(backends=[backend_to_proto(e) for e in self._manager.pool.entries()])
+
+    async def GetStats(  # noqa: N802
+        self, request: v1.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> v1.GetStatsResponse:
+        manager = self._manager
+        stats = manager.stats()
+        by_status = stats["by_status"]
+        assert isinstance(by_status, dict)
+        return v1.GetStatsResponse(
+            phases=[
+                v1.PhaseStats(phase=phase, queued=gate.queued, active=gate.active, limit=gate.limit)
+                for phase, gate in manager.gates.items()
+            ],
+            sandboxes_busy=manager.provider.busy,
+            jobs=[v1.JobStatusCount(status=status, count=count) for status, count in sorted(by_status.items())],
+            backends=[backend_to_proto(e) for e in manager.pool.entries()],
+        )

@@ -1,0 +1,93 @@
+"""Maps the server's exceptions to gRPC status codes, in one interceptor.
+
+A ProrlError becomes its status code with its message; anything else is a bug:
+logged with its traceback, sent as INTERNAL without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from prorl_server import errors
+
+log = structlog.get_logger(__name__)
+
+STATUS_CODES: dict[type[errors.ProrlError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.InfrastructureError: grpc.StatusCode.UNAVAILABLE,
+}
+REASON_METADATA_KEY = "prorl-error-reason"
+
+
+def status_code(exc: errors.ProrlError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_CODES:
+            return STATUS_CODES[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    if isinstance(exc, errors.ProrlError):
+        context.set_trailing_metadata(((REASON_METADATA_KEY, exc.reason),))
+        await context.abort(status_code(exc), exc.message)
+    log.exception("rpc_failed", method=method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await _abort(context, exc, method)
+
+    return wrapped
+
+
+def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await _abort(context, exc, method)
+
+    return wrapped
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        codec = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method), **codec)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, method), **codec)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, method), **codec)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, method), **codec)
+        return handler

@@ -1,0 +1,105 @@
+"""RolloutService: proto in, manager call, proto out. No logic of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from prorl_client import v1
+from prorl_server.api.errors import status_code
+from prorl_server.errors import ProrlError
+from prorl_server.jobs.manager import JobManager
+
+# Responses buffered per RolloutStream before its watchers wait for the client.
+STREAM_BUFFER = 256
+
+
+class RolloutServicer(v1.RolloutServiceServicer):
+    def __init__(self, manager: JobManager) -> None:
+        self._manager = manager
+
+    async def Rollout(  # noqa: N802
+        self, request: v1.RolloutRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[v1.RolloutResponse]:
+        job, _ = self._manager.submit(request)
+        async for event in self._manager.watch(job.job_id):
+            yield v1.RolloutResponse(event=event)
+
+    async def RolloutStream(  # noqa: N802
+        self, request_iterator: AsyncIterator[v1.RolloutStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[v1.RolloutStreamResponse]:
+        """Submit each incoming request; merge the events of all of them.
+
+        Leaving the stream (client gone) stops only the forwarding: the jobs
+        go on and can be watched again.
+        """
+        out: asyncio.Queue[v1.RolloutStreamResponse | None] = asyncio.Queue(STREAM_BUFFER)
+        watched: set[str] = set()
+
+        async def forward(job_id: str) -> None:
+            async for event in self._manager.watch(job_id):
+                await out.put(v1.RolloutStreamResponse(event=event))
+
+        async def pump() -> None:
+            async with asyncio.TaskGroup() as forwarders:
+                async for item in request_iterator:
+                    try:
+                        job, _ = self._manager.submit(item.rollout)
+                    except ProrlError as exc:
+                        rejected = v1.RolloutRejected(
+                            job_id=item.rollout.job_id, code=status_code(exc).value[0], message=exc.message
+                        )
+                        await out.put(v1.RolloutStreamResponse(rejected=rejected))
+                        continue
+                    if job.job_id not in watched:
+                        watched.add(job.job_id)
+                        forwarders.create_task(forward(job.job_id))
+            await out.put(None)
+
+        pump_task = asyncio.create_task(pump())
+        try:
+            while (response := await out.get()) is not None:
+                yield response
+            await pump_task
+        finally:
+            pump_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump_task
+
+    async def Submit(  # noqa: N802
+        self, request: v1.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> v1.SubmitResponse:
+        job, created = self._manager.submit(request.rollout)
+        return v1.SubmitResponse(job=job.to_proto(), created=created)
+
+    async def Watch(  # noqa: N802
+        self, request: v1.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[v1.WatchResponse]:
+        async for event in self._manager.watch(request.job_id, request.after_seq):
+            yield v1.WatchResponse(event=event)
+
+    async def GetJob(  # noqa: N802
+        self, request: v1.GetJobRequest, context: grpc.aio.ServicerContext
+    ) -> v1.GetJobResponse:
+        return v1.GetJobResponse(job=self._manager.get(request.job_id).to_proto())
+
+    async def ListJobs(  # noqa: N802
+        self, request: v1.ListJobsRequest, context: grpc.aio.ServicerContext
+    ) -> v1.ListJobsResponse:
+        jobs, token = self._manager.list(
+            statuses=list(request.statuses),
+            labels=dict(request.labels),
+            group_id=request.group_id,
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        return v1.ListJobsResponse(jobs=[job.to_proto() for job in jobs], next_page_token=token)
+
+    async def Cancel(  # noqa: N802
+        self, request: v1.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> v1.CancelResponse:
+        job = await self._manager.cancel(request.job_id, request.reason)
+        return v1.CancelResponse(job=job.to_proto())

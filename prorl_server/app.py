@@ -1,0 +1,173 @@
+"""Wiring: builds every component from the settings, starts and stops them in order.
+
+Start: Podman API -> sandbox provider (reaps leftovers) -> LLM backends
+(embedded model if none) -> job manager -> gRPC server (+ health, reflection).
+Stop (idempotent): health NOT_SERVING -> stop admitting -> let jobs finish
+within the grace period, cancel the rest -> stop the gRPC server -> remove
+this server's containers -> stop the children.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from prorl_client import v1
+from prorl_server.agents.registry import HandlerRegistry, default_registry
+from prorl_server.api.admin_servicer import AdminServicer
+from prorl_server.api.errors import ErrorInterceptor
+from prorl_server.api.rollout_servicer import RolloutServicer
+from prorl_server.config import Settings
+from prorl_server.jobs.manager import JobManager
+from prorl_server.llm.base import BackendInfo
+from prorl_server.llm.embedded import EMBEDDED_MODEL_NAME, EmbeddedLlamaServer
+from prorl_server.llm.openai_chat import OpenAIChatBackend
+from prorl_server.llm.router import BackendPool
+from prorl_server.sandbox.podman import PodmanProvider
+from prorl_server.sandbox.podman_service import PodmanService
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAMES = ("prorl.v1.RolloutService", "prorl.v1.AdminService")
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class ProrlServer:
+    def __init__(self, settings: Settings, *, registry: HandlerRegistry | None = None) -> None:
+        self.settings = settings
+        self._registry = registry or default_registry()
+        self._podman: PodmanService | None = None
+        self._embedded: EmbeddedLlamaServer | None = None
+        self._provider: PodmanProvider | None = None
+        self._pool = BackendPool()
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self.manager: JobManager | None = None
+        self.port = 0
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.server.host}:{self.port}"
+
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        settings = self.settings
+        socket_url = settings.sandbox.podman_socket
+        if socket_url is None:
+            self._podman = PodmanService(user=settings.sandbox.sandbox_user, name=settings.server.instance_id)
+            await self._podman.start()
+        podman = self._podman
+        self._provider = PodmanProvider(
+            url_factory=lambda: socket_url or (podman.url if podman else ""),
+            instance_id=settings.server.instance_id,
+            max_output_bytes=settings.sandbox.max_output_bytes,
+            threads=settings.sandbox.podman_threads,
+        )
+        await self._provider.start()
+        await self._start_backends()
+        self.manager = JobManager(
+            settings=settings, registry=self._registry, provider=self._provider, pool=self._pool
+        )
+        await self._start_grpc()
+        log.info("server_started", address=self.address, instance=settings.server.instance_id)
+
+    async def _start_backends(self) -> None:
+        llm = self.settings.llm
+        for backend in llm.backends:
+            info = BackendInfo(
+                id=backend.id,
+                kind=backend.kind,
+                base_url=backend.base_url,
+                model=backend.model,
+                max_in_flight=backend.max_in_flight,
+            )
+            self._pool.add(
+                OpenAIChatBackend(
+                    info, api_key=backend.api_key, timeout_s=llm.request_timeout_s, max_retries=llm.max_retries
+                )
+            )
+        embedded = llm.embedded
+        if embedded.enabled == "always" or (embedded.enabled == "auto" and not llm.backends):
+            self._embedded = EmbeddedLlamaServer(
+                model_path=Path(embedded.model_path) if embedded.model_path else None,
+                context_length=embedded.context_length,
+                threads=embedded.threads,
+                startup_timeout_s=embedded.startup_timeout_s,
+            )
+            await self._embedded.start()
+            info = BackendInfo(
+                id="embedded",
+                kind="openai_chat",
+                base_url=self._embedded.base_url,
+                model=EMBEDDED_MODEL_NAME,
+                # llama.cpp's server runs one request at a time anyway.
+                max_in_flight=1,
+                managed=True,
+            )
+            backend = OpenAIChatBackend(info, timeout_s=llm.request_timeout_s, max_retries=llm.max_retries)
+            self._pool.add(backend, managed=True)
+
+    async def _start_grpc(self) -> None:
+        assert self.manager is not None
+        server = grpc.aio.server(
+            interceptors=[ErrorInterceptor()],
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        v1.add_RolloutServiceServicer_to_server(RolloutServicer(self.manager), server)
+        v1.add_AdminServiceServicer_to_server(
+            AdminServicer(
+                self.manager,
+                request_timeout_s=self.settings.llm.request_timeout_s,
+                max_retries=self.settings.llm.max_retries,
+            ),
+            server,
+        )
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        names = SERVICE_NAMES
+        reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.port = server.add_insecure_port(f"{self.settings.server.host}:{self.settings.server.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.settings.server.host}:{self.settings.server.port}")
+        await server.start()
+        self._server = server
+        for name in ("", *names):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.settings.server.shutdown_grace_s
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self.manager is not None:
+            await self.manager.shutdown(grace)
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        if self._provider is not None:
+            await self._provider.close()
+        await self._pool.close()
+        if self._embedded is not None:
+            await self._embedded.stop()
+        if self._podman is not None:
+            await self._podman.stop()
+        log.info("server_stopped")

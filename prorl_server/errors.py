@@ -1,0 +1,68 @@
+"""The server's exception tree.
+
+Domain code raises these; `api/errors.py` maps each to a gRPC status code in
+one place, so a client never sees a traceback.
+
+    ProrlError               base; unexpected ones become INTERNAL
+      InvalidArgument        the request is malformed      -> INVALID_ARGUMENT
+      NotFound               unknown job or backend        -> NOT_FOUND
+      AlreadyExists          id reused for something else  -> ALREADY_EXISTS
+      FailedPrecondition     wrong state for the call      -> FAILED_PRECONDITION
+      ResourceExhausted      queue or pool full            -> RESOURCE_EXHAUSTED
+      Unavailable            shutting down, retry later    -> UNAVAILABLE
+      InfrastructureError    a dependency failed during a job (never sent to
+        SandboxError         clients as a status: it becomes the job's
+        LLMError             failure of kind INFRASTRUCTURE)
+"""
+
+from __future__ import annotations
+
+
+class ProrlError(Exception):
+    """Base of every error the server raises on purpose."""
+
+    reason = "internal"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if reason is not None:
+            self.reason = reason
+
+
+class InvalidArgument(ProrlError):
+    reason = "invalid_argument"
+
+
+class NotFound(ProrlError):
+    reason = "not_found"
+
+
+class AlreadyExists(ProrlError):
+    reason = "already_exists"
+
+
+class FailedPrecondition(ProrlError):
+    reason = "failed_precondition"
+
+
+class ResourceExhausted(ProrlError):
+    reason = "resource_exhausted"
+
+
+class Unavailable(ProrlError):
+    reason = "unavailable"
+
+
+class InfrastructureError(ProrlError):
+    """A dependency of a job (sandbox, LLM backend) failed, not the policy."""
+
+    reason = "infrastructure"
+
+
+class SandboxError(InfrastructureError):
+    reason = "sandbox"
+
+
+class LLMError(InfrastructureError):
+    reason = "llm_unavailable"

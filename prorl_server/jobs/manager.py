@@ -1,0 +1,203 @@
+"""The job manager: admission, idempotency, cancel, watch, listing, retention.
+
+Every job runs as one asyncio task owned here; shutdown awaits them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+
+import structlog
+
+from prorl_client import v1
+from prorl_server.agents.registry import HandlerRegistry
+from prorl_server.config import Settings
+from prorl_server.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from prorl_server.jobs.event_log import EventLog
+from prorl_server.jobs.phases import PhaseGate
+from prorl_server.jobs.pipeline import Pipeline
+from prorl_server.jobs.record import JobRecord
+from prorl_server.jobs.validation import check_job_id, resolve_plan
+from prorl_server.llm.router import BackendPool
+from prorl_server.sandbox.base import SandboxProvider
+
+log = structlog.get_logger(__name__)
+
+MAX_PAGE_SIZE = 1000
+DEFAULT_PAGE_SIZE = 100
+CANCEL_WAIT_S = 60.0
+
+
+class JobManager:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        registry: HandlerRegistry,
+        provider: SandboxProvider,
+        pool: BackendPool,
+    ) -> None:
+        self._settings = settings
+        self._registry = registry
+        self.provider = provider
+        self.pool = pool
+        phases = settings.phases
+        self.gates = {
+            v1.PHASE_INIT: PhaseGate(phases.init),
+            v1.PHASE_RUN: PhaseGate(phases.run),
+            v1.PHASE_EVAL: PhaseGate(phases.eval),
+        }
+        self._pipeline = Pipeline(gates=self.gates, provider=provider, pool=pool)
+        self._jobs: dict[str, JobRecord] = {}
+        self._finished: collections.deque[str] = collections.deque()
+        self._numbers = itertools.count(1)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._accepting = True
+
+    # --- submission ------------------------------------------------------------
+
+    def submit(self, request: v1.RolloutRequest) -> tuple[JobRecord, bool]:
+        """Queue a job; returns (job, created). Idempotent on job_id."""
+        if not self._accepting:
+            raise Unavailable("the server is shutting down and accepts no new jobs; retry on another server")
+        if request.job_id:
+            check_job_id(request.job_id)
+            fingerprint = request.SerializeToString(deterministic=True)
+            existing = self._jobs.get(request.job_id)
+            if existing is not None:
+                if existing.fingerprint != fingerprint:
+                    raise AlreadyExists(
+                        f"job id {request.job_id!r} is already used by a different request; "
+                        "choose a new job id or resend the identical request"
+                    )
+                return existing, False
+            job_id = request.job_id
+        else:
+            job_id = uuid.uuid4().hex
+            request = _with_job_id(request, job_id)
+            fingerprint = request.SerializeToString(deterministic=True)
+        plan = resolve_plan(request, self._settings, self._registry)
+        live = len(self._jobs) - len(self._finished)
+        if live >= self._settings.jobs.max_queued:
+            raise ResourceExhausted(
+                f"{live} jobs are queued or running, the server's limit (jobs.max_queued); retry later"
+            )
+        job = JobRecord(
+            job_id=job_id,
+            number=next(self._numbers),
+            request=request,
+            fingerprint=fingerprint,
+            plan=plan,
+            create_time=time.time(),
+            events=EventLog(job_id),
+        )
+        self._jobs[job_id] = job
+        job.events.append(queued=v1.JobQueued(queue_position=self.gates[v1.PHASE_INIT].queued))
+        task = asyncio.create_task(self._run(job), name=f"job-{job_id}")
+        job.task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return job, True
+
+    async def _run(self, job: JobRecord) -> None:
+        structlog.contextvars.bind_contextvars(job_id=job.job_id, handler=job.request.handler)
+        try:
+            await self._pipeline.execute(job)
+        finally:
+            self._retire(job)
+
+    def _retire(self, job: JobRecord) -> None:
+        self._finished.append(job.job_id)
+        while len(self._finished) > self._settings.jobs.retain_finished:
+            self._jobs.pop(self._finished.popleft(), None)
+
+    # --- queries ---------------------------------------------------------------
+
+    def get(self, job_id: str) -> JobRecord:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"no job with id {job_id!r} (never submitted, or finished and no longer retained)")
+        return job
+
+    def list(
+        self,
+        *,
+        statuses: Sequence[int] = (),
+        labels: Mapping[str, str] | None = None,
+        group_id: str = "",
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> tuple[list[JobRecord], str]:
+        if page_size < 0:
+            raise InvalidArgument(f"page_size must not be negative, got {page_size}")
+        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        try:
+            after = int(page_token) if page_token else 0
+        except ValueError:
+            raise InvalidArgument("page_token is not one this server issued; pass next_page_token as given") from None
+        wanted = set(statuses)
+        labels = dict(labels or {})
+        matches: list[JobRecord] = []
+        for job in sorted(self._jobs.values(), key=lambda j: j.number):
+            if job.number <= after:
+                continue
+            if wanted and job.status not in wanted:
+                continue
+            if group_id and job.request.group_id != group_id:
+                continue
+            if any(job.request.labels.get(key) != value for key, value in labels.items()):
+                continue
+            matches.append(job)
+            if len(matches) > size:
+                break
+        page = matches[:size]
+        next_token = str(page[-1].number) if len(matches) > size else ""
+        return page, next_token
+
+    async def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[v1.RolloutEvent]:
+        if after_seq < 0:
+            raise InvalidArgument(f"after_seq must not be negative, got {after_seq}")
+        job = self.get(job_id)
+        async for event in job.events.follow(after_seq):
+            yield event
+
+    async def cancel(self, job_id: str, reason: str = "") -> JobRecord:
+        """Cancel a job and wait until its sandboxes are gone."""
+        job = self.get(job_id)
+        if job.finished or job.task is None:
+            return job
+        job.cancel_reason = reason or "cancelled by the client"
+        job.task.cancel()
+        await asyncio.wait({job.task}, timeout=CANCEL_WAIT_S)
+        return job
+
+    def stats(self) -> dict[str, object]:
+        by_status: dict[int, int] = collections.Counter(job.status for job in self._jobs.values())
+        return {"by_status": by_status, "sandboxes_busy": self.provider.busy}
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop admitting, give running jobs `grace_s` to finish, cancel the rest."""
+        self._accepting = False
+        tasks = set(self._tasks)
+        if tasks and grace_s > 0:
+            await asyncio.wait(tasks, timeout=grace_s)
+        for job in self._jobs.values():
+            if job.task is not None and not job.task.done():
+                job.cancel_reason = "the server is shutting down"
+                job.task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _with_job_id(request: v1.RolloutRequest, job_id: str) -> v1.RolloutRequest:
+    copy = v1.RolloutRequest()
+    copy.CopyFrom(request)
+    copy.job_id = job_id
+    return copy

@@ -1,0 +1,124 @@
+"""Checking a RolloutRequest and filling in the server's defaults.
+
+Every refusal is an InvalidArgument whose message names the field and says
+what would be accepted.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from prorl_client import v1
+from prorl_server.agents.base import Limits
+from prorl_server.agents.registry import HandlerRegistry
+from prorl_server.config import Settings
+from prorl_server.errors import InvalidArgument
+from prorl_server.jobs.record import JobPlan
+from prorl_server.llm.base import Sampling
+
+JOB_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_LABELS = 64
+MAX_LABEL_CHARS = 256
+
+
+def check_job_id(job_id: str) -> None:
+    if not JOB_ID.match(job_id):
+        raise InvalidArgument(f"job_id {job_id[:140]!r} is invalid: use 1-128 characters of A-Z a-z 0-9 . _ : -")
+
+
+def _seconds(duration: Any) -> float:
+    return float(duration.seconds) + duration.nanos / 1e9
+
+
+def _sampling(request: v1.RolloutRequest, settings: Settings) -> Sampling:
+    params = request.sampling
+    temperature = params.temperature if params.HasField("temperature") else settings.llm.default_temperature
+    if not 0 <= temperature <= 10:
+        raise InvalidArgument(f"sampling.temperature must be between 0 and 10, got {temperature}")
+    top_p = params.top_p if params.HasField("top_p") else None
+    if top_p is not None and not 0 < top_p <= 1:
+        raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {top_p}")
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else settings.llm.default_max_tokens
+    if max_tokens < 1:
+        raise InvalidArgument(f"sampling.max_tokens must be at least 1, got {max_tokens}")
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=tuple(params.stop),
+        seed=params.seed if params.HasField("seed") else None,
+        model=params.model,
+    )
+
+
+def _budget(request: v1.RolloutRequest, settings: Settings) -> float:
+    jobs = settings.jobs
+    if not request.limits.HasField("budget"):
+        return jobs.default_budget_s
+    budget = _seconds(request.limits.budget)
+    if budget <= 0:
+        raise InvalidArgument(f"limits.budget must be positive, got {budget:g}s")
+    if budget > jobs.max_budget_s:
+        raise InvalidArgument(f"limits.budget {budget:g}s exceeds this server's maximum of {jobs.max_budget_s:g}s")
+    return budget
+
+
+def _limits(request: v1.RolloutRequest, settings: Settings) -> Limits:
+    jobs = settings.jobs
+    limits = request.limits
+    max_turns = limits.max_turns if limits.HasField("max_turns") else jobs.default_max_turns
+    if not 1 <= max_turns <= jobs.max_turns_ceiling:
+        raise InvalidArgument(f"limits.max_turns must be between 1 and {jobs.max_turns_ceiling}, got {max_turns}")
+    tool_timeout = jobs.default_tool_timeout_s
+    if limits.HasField("tool_timeout"):
+        tool_timeout = _seconds(limits.tool_timeout)
+        if tool_timeout <= 0:
+            raise InvalidArgument(f"limits.tool_timeout must be positive, got {tool_timeout:g}s")
+    return Limits(max_turns=max_turns, tool_timeout_s=tool_timeout)
+
+
+def _labels(request: v1.RolloutRequest) -> None:
+    if len(request.labels) > MAX_LABELS:
+        raise InvalidArgument(f"at most {MAX_LABELS} labels, got {len(request.labels)}")
+    for key, value in request.labels.items():
+        if not key or len(key) > MAX_LABEL_CHARS or len(value) > MAX_LABEL_CHARS:
+            raise InvalidArgument(f"label {key[:40]!r}: keys must be non-empty, keys and values ≤ {MAX_LABEL_CHARS}")
+
+
+def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: HandlerRegistry) -> JobPlan:
+    if not request.handler:
+        raise InvalidArgument(f"handler is empty; this server has: {', '.join(registry.names())}")
+    handler = registry.get(request.handler)
+    if request.instance.ByteSize() > settings.jobs.max_instance_bytes:
+        raise InvalidArgument(
+            f"instance is {request.instance.ByteSize()} bytes; the limit is {settings.jobs.max_instance_bytes}"
+        )
+    instance: dict[str, Any] = MessageToDict(request.instance)
+    handler.validate(instance)
+    _labels(request)
+    box = settings.sandbox
+    spec = request.sandbox
+    cpus = spec.cpus if spec.HasField("cpus") else box.cpus
+    if not 0 < cpus <= box.max_cpus:
+        raise InvalidArgument(f"sandbox.cpus must be in (0, {box.max_cpus:g}], got {cpus:g}")
+    memory = spec.memory_mib if spec.HasField("memory_mib") else box.memory_mib
+    if not 16 <= memory <= box.max_memory_mib:
+        raise InvalidArgument(f"sandbox.memory_mib must be between 16 and {box.max_memory_mib}, got {memory}")
+    pids = spec.pids_limit if spec.HasField("pids_limit") else box.pids_limit
+    if not 8 <= pids <= 65536:
+        raise InvalidArgument(f"sandbox.pids_limit must be between 8 and 65536, got {pids}")
+    return JobPlan(
+        handler=handler,
+        instance=instance,
+        limits=_limits(request, settings),
+        sampling=_sampling(request, settings),
+        budget_s=_budget(request, settings),
+        image=spec.image or handler.default_image or box.default_image,
+        cpus=cpus,
+        memory_mib=memory,
+        pids_limit=pids,
+        priority=request.priority,
+    )

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Build the sandbox images offline into the sandbox user's rootless storage.
+#
+# No image registry is reachable here, so the base image is bootstrapped from
+# Debian's package archive with debootstrap and imported; every other image
+# is a Containerfile under sandbox_images/ built FROM it with no network.
+# Idempotent: an image that exists is kept unless FORCE=1.
+set -euo pipefail
+
+SANDBOX_USER="${PRORL_SANDBOX_USER:-prorl}"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+uid="$(id -u "$SANDBOX_USER")"
+export XDG_RUNTIME_DIR="/run/user/${uid}"
+install -d -m 0700 -o "$SANDBOX_USER" -g "$SANDBOX_USER" "$XDG_RUNTIME_DIR"
+
+as_user() {
+    # cd: the sandbox user cannot enter root's home, where the checkout may be.
+    (cd / && runuser -u "$SANDBOX_USER" -- env XDG_RUNTIME_DIR="$XDG_RUNTIME_DIR" HOME="$(getent passwd "$SANDBOX_USER" | cut -d: -f6)" "$@")
+}
+have_image() { as_user podman image exists "$1"; }
+
+BASE=localhost/prorl-base:bookworm
+if [[ "${FORCE:-0}" == 1 ]] || ! have_image "$BASE"; then
+    echo "build-images: debootstrap $BASE (about a minute)"
+    rootfs="$(mktemp -d /var/tmp/prorl-rootfs.XXXXXX)"
+    trap 'rm -rf "$rootfs"' EXIT
+    debootstrap --variant=minbase --include=python3 bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+    tar -C "$rootfs" -c . | as_user podman import --quiet - "$BASE" >/dev/null
+    rm -rf "$rootfs"
+    trap - EXIT
+fi
+
+# Containerfiles build from a copy of their folder the sandbox user can read.
+for dir in "$ROOT"/sandbox_images/*/; do
+    name="$(basename "$dir")"
+    [[ -f "$dir/Containerfile" ]] || continue
+    tag="localhost/prorl-${name}:latest"
+    if [[ "${FORCE:-0}" == 1 ]] || ! have_image "$tag"; then
+        echo "build-images: $tag"
+        ctx="$(mktemp -d /var/tmp/prorl-ctx.XXXXXX)"
+        cp -r "$dir". "$ctx"
+        chown -R "$SANDBOX_USER:$SANDBOX_USER" "$ctx"
+        as_user podman build --quiet --network none --pull-never -t "$tag" "$ctx" >/dev/null
+        rm -rf "$ctx"
+    fi
+done
+as_user podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep prorl

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Prepare this machine for rootless Podman sandboxes (Debian 12, run as root).
+#
+# Idempotent: safe to run again. Creates the unprivileged sandbox user, its
+# subordinate id ranges, its runtime directory and the containers.conf
+# settings this kernel needs (see docs/operations.md for why each is there).
+set -euo pipefail
+
+SANDBOX_USER="${PRORL_SANDBOX_USER:-prorl}"
+APT_PACKAGES=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs catatonit)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    echo "setup-host: installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! id "$SANDBOX_USER" >/dev/null 2>&1; then
+    echo "setup-host: creating user $SANDBOX_USER"
+    useradd --create-home --shell /usr/sbin/nologin "$SANDBOX_USER"
+fi
+uid="$(id -u "$SANDBOX_USER")"
+home="$(getent passwd "$SANDBOX_USER" | cut -d: -f6)"
+
+# Subordinate ids: 65536 of them, so images with their own users map cleanly.
+for file in /etc/subuid /etc/subgid; do
+    touch "$file"
+    if ! grep -q "^${SANDBOX_USER}:" "$file"; then
+        start=$(( (uid - 900) * 65536 + 100000 ))
+        ((start < 100000)) && start=100000
+        echo "${SANDBOX_USER}:${start}:65536" >> "$file"
+    fi
+done
+
+runtime_dir="/run/user/${uid}"
+install -d -m 0700 -o "$SANDBOX_USER" -g "$SANDBOX_USER" "$runtime_dir"
+
+conf_dir="${home}/.config/containers"
+install -d -m 0755 -o "$SANDBOX_USER" -g "$SANDBOX_USER" "${home}/.config" "$conf_dir"
+cat > "${conf_dir}/containers.conf" <<CONF
+# Written by prorl scripts/setup_host.sh.
+[containers]
+# The host's hard nofile limit is below Podman's default of 1048576.
+default_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]
+# No systemd user session here: no journald, no systemd cgroup manager.
+log_driver = "k8s-file"
+
+[engine]
+# crun 1.8 refuses this kernel's hybrid cgroup layout; runc accepts it.
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+CONF
+cat > "${conf_dir}/storage.conf" <<CONF
+# Written by prorl scripts/setup_host.sh.
+[storage]
+driver = "overlay"
+CONF
+chown "$SANDBOX_USER:$SANDBOX_USER" "${conf_dir}/containers.conf" "${conf_dir}/storage.conf"
+
+# Folder for files bind-mounted into sandboxes: readable by the sandbox user.
+install -d -m 0755 -o "$SANDBOX_USER" -g "$SANDBOX_USER" /var/lib/prorl
+
+echo "setup-host: user=$SANDBOX_USER uid=$uid runtime_dir=$runtime_dir podman=$(podman --version)"
