@@ -76,25 +76,23 @@ class ProrlServer:
         )
         await self._provider.start()
         await self._start_backends()
-        self.manager = JobManager(
-            settings=settings, registry=self._registry, provider=self._provider, pool=self._pool
-        )
+        self.manager = JobManager(settings=settings, registry=self._registry, provider=self._provider, pool=self._pool)
         await self._start_grpc()
         log.info("server_started", address=self.address, instance=settings.server.instance_id)
 
     async def _start_backends(self) -> None:
         llm = self.settings.llm
-        for backend in llm.backends:
+        for configured in llm.backends:
             info = BackendInfo(
-                id=backend.id,
-                kind=backend.kind,
-                base_url=backend.base_url,
-                model=backend.model,
-                max_in_flight=backend.max_in_flight,
+                id=configured.id,
+                kind=configured.kind,
+                base_url=configured.base_url,
+                model=configured.model,
+                max_in_flight=configured.max_in_flight,
             )
             self._pool.add(
                 OpenAIChatBackend(
-                    info, api_key=backend.api_key, timeout_s=llm.request_timeout_s, max_retries=llm.max_retries
+                    info, api_key=configured.api_key, timeout_s=llm.request_timeout_s, max_retries=llm.max_retries
                 )
             )
         embedded = llm.embedded

@@ -73,10 +73,7 @@ async def _serve(settings: Settings) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "demo":
-            settings = _settings(args, {"server": {"port": 0}})
-        else:
-            settings = _settings(args, {})
+        settings = _settings(args, {"server": {"port": 0}} if args.command == "demo" else {})
     except ConfigError as exc:
         print(f"prorl-server: {exc}", file=sys.stderr)
         return 2

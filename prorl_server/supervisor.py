@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
@@ -79,7 +80,5 @@ class SupervisedProcess:
             log.info("child_stopped", child=self.name)
         if self._drain is not None:
             drain, self._drain = self._drain, None
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(drain, 2)
-            except TimeoutError:
-                pass

@@ -67,11 +67,9 @@ def write_reexports(protos: list[Path]) -> None:
         exported += names
         services = list(module.DESCRIPTOR.services_by_name)
         if services:
-            stubs = sorted(
-                f"{service}{suffix}"
-                for service in services
-                for suffix in ("Stub", "Servicer")
-            ) + [f"add_{service}Servicer_to_server" for service in services]
+            stubs = sorted(f"{service}{suffix}" for service in services for suffix in ("Stub", "Servicer")) + [
+                f"add_{service}Servicer_to_server" for service in services
+            ]
             lines.append(f"from prorl_client._proto.prorl.v1.{stem}_pb2_grpc import (\n")
             lines.extend(f"    {name} as {name},\n" for name in stubs)
             lines.append(")\n")

@@ -39,16 +39,14 @@ def _decode_arguments(raw: Any) -> tuple[dict[str, Any] | None, str | None]:
             return None, f"the arguments are not valid JSON ({exc.msg} at position {exc.pos})"
         if isinstance(value, dict):
             return value, None
-    return None, "the arguments must be a JSON object, e.g. {\"code\": \"print(1)\"}"
+    return None, 'the arguments must be a JSON object, e.g. {"code": "print(1)"}'
 
 
 def from_api(calls: tuple[ApiToolCall, ...]) -> list[ParsedCall]:
     parsed = []
     for call in calls:
         arguments, error = _decode_arguments(call.arguments_json)
-        parsed.append(
-            ParsedCall(call.id, call.name, arguments or {}, call.arguments_json, from_api=True, error=error)
-        )
+        parsed.append(ParsedCall(call.id, call.name, arguments or {}, call.arguments_json, from_api=True, error=error))
     return parsed
 
 
@@ -65,7 +63,7 @@ def from_text(text: str, *, id_prefix: str = "call") -> list[ParsedCall]:
             )
             continue
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            parsed.append(ParsedCall(call_id, "", {}, body, False, f"the tool call has no \"name\". {FORMAT_HINT}"))
+            parsed.append(ParsedCall(call_id, "", {}, body, False, f'the tool call has no "name". {FORMAT_HINT}'))
             continue
         raw_arguments = value.get("arguments", value.get("parameters", {}))
         arguments, error = _decode_arguments(raw_arguments)

@@ -42,7 +42,9 @@ def backend_from_proto(backend: v1.Backend, *, timeout_s: float, max_retries: in
             f"backend.kind {v1.BackendKind.Name(backend.kind)} is not supported; use BACKEND_KIND_OPENAI_CHAT"
         )
     if not backend.base_url.startswith(("http://", "https://")):
-        raise InvalidArgument(f"backend.base_url must be an http(s) URL such as http://host:8000/v1, got {backend.base_url!r}")
+        raise InvalidArgument(
+            f"backend.base_url must be an http(s) URL such as http://host:8000/v1, got {backend.base_url!r}"
+        )
     if backend.max_in_flight < 0:
         raise InvalidArgument(f"backend.max_in_flight must not be negative, got {backend.max_in_flight}")
     info = BackendInfo(

@@ -31,7 +31,7 @@ REASON_METADATA_KEY = "prorl-error-reason"
 def status_code(exc: errors.ProrlError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in STATUS_CODES:
-            return STATUS_CODES[cls]  # type: ignore[index]
+            return STATUS_CODES[cls]
     return grpc.StatusCode.INTERNAL
 
 

@@ -41,15 +41,15 @@ def to_struct(data: dict[str, Any]) -> Struct:
 
 @dataclass
 class _Outcome:
-    status: v1.JobStatus.ValueType = v1.JOB_STATUS_SUCCEEDED
+    status: v1.JobStatus = v1.JOB_STATUS_SUCCEEDED
     failure: v1.Failure | None = None
     evaluation: EvalOutcome | None = None
-    phase_s: dict[int, float] = field(default_factory=lambda: dict.fromkeys(PHASE_NAMES, 0.0))
+    phase_s: dict[v1.Phase, float] = field(default_factory=lambda: dict.fromkeys(PHASE_NAMES, 0.0))
     queue_s: float = 0.0
 
 
 class Pipeline:
-    def __init__(self, *, gates: dict[int, PhaseGate], provider: SandboxProvider, pool: BackendPool) -> None:
+    def __init__(self, *, gates: dict[v1.Phase, PhaseGate], provider: SandboxProvider, pool: BackendPool) -> None:
         self.gates = gates
         self._provider = provider
         self._pool = pool
@@ -81,7 +81,7 @@ class Pipeline:
         ctx = self._context(job)
         handler = job.plan.handler
         outcome = _Outcome()
-        phases: list[tuple[int, Callable[[RolloutContext], Awaitable[Any]], Callable[..., FailureInfo]]] = [
+        phases: list[tuple[v1.Phase, Callable[[RolloutContext], Awaitable[Any]], Callable[..., FailureInfo]]] = [
             (v1.PHASE_INIT, handler.init, handler.on_init_error),
             (v1.PHASE_RUN, handler.run, handler.on_run_error),
             (v1.PHASE_EVAL, handler.evaluate, handler.on_eval_error),
@@ -131,9 +131,7 @@ class Pipeline:
                         used_s += elapsed
                 if phase == v1.PHASE_EVAL:
                     outcome.evaluation = value
-                    job.events.append(
-                        evaluation=v1.Evaluation(reward=value.reward, details=to_struct(value.details))
-                    )
+                    job.events.append(evaluation=v1.Evaluation(reward=value.reward, details=to_struct(value.details)))
         except asyncio.CancelledError:
             outcome.status = v1.JOB_STATUS_CANCELLED
             outcome.failure = v1.Failure(

@@ -52,8 +52,8 @@ class JobRecord:
     plan: JobPlan
     create_time: float
     events: EventLog
-    status: v1.JobStatus.ValueType = v1.JOB_STATUS_QUEUED
-    phase: v1.Phase.ValueType = v1.PHASE_UNSPECIFIED
+    status: v1.JobStatus = v1.JOB_STATUS_QUEUED
+    phase: v1.Phase = v1.PHASE_UNSPECIFIED
     start_time: float | None = None
     end_time: float | None = None
     result: v1.RolloutResult | None = None

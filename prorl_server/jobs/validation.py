@@ -30,7 +30,7 @@ def check_job_id(job_id: str) -> None:
 
 
 def _seconds(duration: Any) -> float:
-    return float(duration.seconds) + duration.nanos / 1e9
+    return float(duration.seconds) + float(duration.nanos) / 1e9
 
 
 def _sampling(request: v1.RolloutRequest, settings: Settings) -> Sampling:

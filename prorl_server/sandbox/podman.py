@@ -9,6 +9,7 @@ this server's label.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -179,10 +180,8 @@ class PodmanProvider(SandboxProvider):
 
     async def remove(self, container_id: str) -> None:
         def remove() -> None:
-            try:
+            with contextlib.suppress(NotFound):
                 self.client.containers.remove(container_id, force=True, v=True)
-            except NotFound:
-                pass
 
         try:
             await self.call(remove)
@@ -193,14 +192,10 @@ class PodmanProvider(SandboxProvider):
         """Remove every container labelled as this server's; returns the count."""
 
         def remove_all() -> int:
-            containers = self.client.containers.list(
-                all=True, filters={"label": [f"{LABEL_SERVER}={self._instance_id}"]}
-            )
+            containers = self.client.containers.list(all=True, filters={"label": f"{LABEL_SERVER}={self._instance_id}"})
             for container in containers:
-                try:
+                with contextlib.suppress(NotFound):
                     container.remove(force=True, v=True)
-                except NotFound:
-                    pass
             return len(containers)
 
         return await self.call(remove_all)

@@ -79,9 +79,11 @@ class PodmanService:
             return False
         try:
             connector = aiohttp.UnixConnector(path=str(self.socket_path))
-            async with aiohttp.ClientSession(connector=connector) as session:
-                async with session.get("http://podman/_ping") as response:
-                    return response.status == 200
+            async with (
+                aiohttp.ClientSession(connector=connector) as session,
+                session.get("http://podman/_ping") as response,
+            ):
+                return response.status == 200
         except aiohttp.ClientError:
             return False
 

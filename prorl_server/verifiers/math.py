@@ -21,8 +21,8 @@ def _wrap(text: str) -> str:
 
 
 def _verify(gold: str, answer: str) -> tuple[bool, dict[str, Any]]:
-    gold_parsed = math_verify.parse(_wrap(gold), parsing_timeout=None)  # type: ignore[arg-type]
-    answer_parsed = math_verify.parse(_wrap(answer), parsing_timeout=None)  # type: ignore[arg-type]
+    gold_parsed = math_verify.parse(_wrap(gold), parsing_timeout=None)
+    answer_parsed = math_verify.parse(_wrap(answer), parsing_timeout=None)
     correct = bool(
         gold_parsed and answer_parsed and math_verify.verify(gold_parsed, answer_parsed, timeout_seconds=None)
     )

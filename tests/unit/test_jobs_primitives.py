@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import asyncio
+
+from prorl_client import v1
+from prorl_server.jobs.event_log import EventLog
+from prorl_server.jobs.phases import PhaseGate
+from prorl_server.sandbox.output import cap_output
+
+
+async def test_phase_gate_limits_and_grants_by_priority_then_arrival() -> None:
+    gate = PhaseGate(1)
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def worker(name: str, priority: int) -> None:
+        async with gate.slot(priority):
+            order.append(name)
+            if name == "first":
+                await release.wait()
+
+    first = asyncio.create_task(worker("first", 0))
+    await asyncio.sleep(0)
+    others = [asyncio.create_task(worker(n, p)) for n, p in (("low", 0), ("high", 5), ("low2", 0))]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert gate.active == 1 and gate.queued == 3
+    release.set()
+    await asyncio.gather(first, *others)
+    assert order == ["first", "high", "low", "low2"]
+    assert gate.active == 0 and gate.queued == 0
+
+
+async def test_phase_gate_cancelled_waiter_frees_nothing_it_did_not_hold() -> None:
+    gate = PhaseGate(1)
+    hold = asyncio.Event()
+
+    async def holder() -> None:
+        async with gate.slot():
+            await hold.wait()
+
+    task = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    waiter = asyncio.create_task(gate.slot().__aenter__())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    hold.set()
+    await task
+    assert gate.active == 0 and gate.queued == 0
+
+
+async def test_event_log_replays_then_follows_until_closed() -> None:
+    log = EventLog("j")
+    log.append(queued=v1.JobQueued())
+    log.append(phase_started=v1.PhaseStarted(phase=v1.PHASE_INIT))
+    seen: list[int] = []
+
+    async def follow() -> None:
+        async for event in log.follow(after_seq=1):
+            seen.append(event.seq)
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0)
+    log.append(phase_started=v1.PhaseStarted(phase=v1.PHASE_RUN))
+    log.close()
+    await asyncio.wait_for(task, 1)
+    assert seen == [2, 3]
+    assert [e.job_id for e in log.events()] == ["j"] * 3
+
+
+def test_cap_output_keeps_head_and_tail_and_says_so() -> None:
+    text, truncated = cap_output(b"a" * 100 + b"b" * 100, 50)
+    assert truncated and text.startswith("a" * 25) and text.endswith("b" * 25)
+    assert "150 bytes of output truncated" in text
+    assert cap_output(b"short", 50) == ("short", False)
