@@ -29,9 +29,9 @@ proto-check: proto
 	  || (echo "untracked generated files: run 'make proto' and commit" && exit 1)
 
 lint:
-	ruff check .
-	ruff format --check .
-	mypy
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
 
 # Fast: unit tests and the Podman integration tests (scripted fake LLM).
 test:
