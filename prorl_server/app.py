@@ -27,8 +27,10 @@ from prorl_server.llm.base import BackendInfo
 from prorl_server.llm.embedded import EMBEDDED_MODEL_NAME, EmbeddedLlamaServer
 from prorl_server.llm.openai_chat import OpenAIChatBackend
 from prorl_server.llm.router import BackendPool
-from prorl_server.sandbox.podman import PodmanProvider
+from prorl_server.sandbox.base import SandboxSpec
+from prorl_server.sandbox.podman import LABEL_POOL, PodmanOptions, PodmanProvider
 from prorl_server.sandbox.podman_service import PodmanService
+from prorl_server.sandbox.pool import SandboxPools
 
 log = structlog.get_logger(__name__)
 
@@ -43,6 +45,7 @@ class ProrlServer:
         self._podman: PodmanService | None = None
         self._embedded: EmbeddedLlamaServer | None = None
         self._provider: PodmanProvider | None = None
+        self._sandboxes: SandboxPools | None = None
         self._pool = BackendPool()
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -68,17 +71,45 @@ class ProrlServer:
             self._podman = PodmanService(user=settings.sandbox.sandbox_user, name=settings.server.instance_id)
             await self._podman.start()
         podman = self._podman
+        box = settings.sandbox
         self._provider = PodmanProvider(
             url_factory=lambda: socket_url or (podman.url if podman else ""),
-            instance_id=settings.server.instance_id,
-            max_output_bytes=settings.sandbox.max_output_bytes,
-            threads=settings.sandbox.podman_threads,
+            options=PodmanOptions(
+                instance_id=settings.server.instance_id,
+                state_dir=Path(box.state_dir),
+                sandbox_user=box.sandbox_user,
+                container_user=box.container_user,
+                workdir=box.workdir,
+                tmp_mib=box.tmp_mib,
+                max_output_bytes=box.max_output_bytes,
+                threads=box.podman_threads,
+                runtime_start_timeout_s=box.runtime_start_timeout_s,
+                cgroup_limits=box.cgroup_limits,
+            ),
         )
         await self._provider.start()
+        self._sandboxes = SandboxPools(self._provider, self._warm_pool_specs())
+        self._sandboxes.start()
         await self._start_backends()
-        self.manager = JobManager(settings=settings, registry=self._registry, provider=self._provider, pool=self._pool)
+        self.manager = JobManager(
+            settings=settings, registry=self._registry, sandboxes=self._sandboxes, pool=self._pool
+        )
         await self._start_grpc()
         log.info("server_started", address=self.address, instance=settings.server.instance_id)
+
+    def _warm_pool_specs(self) -> list[tuple[SandboxSpec, int]]:
+        box = self.settings.sandbox
+        specs = []
+        for pool in box.warm_pools:
+            spec = SandboxSpec(
+                image=pool.image or box.default_image,
+                cpus=pool.cpus if pool.cpus is not None else box.cpus,
+                memory_mib=pool.memory_mib if pool.memory_mib is not None else box.memory_mib,
+                pids_limit=pool.pids_limit if pool.pids_limit is not None else box.pids_limit,
+                labels={LABEL_POOL: "warm"},
+            )
+            specs.append((spec, pool.size))
+        return specs
 
     async def _start_backends(self) -> None:
         llm = self.settings.llm
@@ -161,6 +192,8 @@ class ProrlServer:
             await self.manager.shutdown(grace)
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        if self._sandboxes is not None:
+            await self._sandboxes.close()
         if self._provider is not None:
             await self._provider.close()
         await self._pool.close()

@@ -64,6 +64,15 @@ class JobSettings(_Section):
     """Largest task instance accepted, as serialized protobuf."""
 
 
+class WarmPoolSettings(_Section):
+    image: str | None = None
+    """None: sandbox.default_image."""
+    size: int = Field(2, ge=0, le=256)
+    cpus: float | None = None
+    memory_mib: int | None = None
+    pids_limit: int | None = None
+
+
 class SandboxSettings(_Section):
     podman_socket: str | None = None
     """URL of a Podman API socket (unix:///...). None: the server starts one as sandbox_user."""
@@ -79,6 +88,25 @@ class SandboxSettings(_Section):
     """Tool output kept per call; the rest is cut with a visible marker."""
     podman_threads: int = Field(16, ge=1)
     """Worker threads for the synchronous Podman client; the event loop never blocks on it."""
+    state_dir: str = "/var/lib/prorl"
+    """Host folder for the staged in-sandbox runtime and the per-sandbox socket folders."""
+    container_user: str = Field("1000:1000", pattern=r"^[0-9]+(:[0-9]+)?$")
+    """uid:gid the sandbox processes run as inside the container (never root)."""
+    workdir: str = "/workspace"
+    tmp_mib: int = Field(256, ge=1)
+    """Size of the sandbox's /tmp (a tmpfs)."""
+    runtime_start_timeout_s: float = Field(30.0, gt=0)
+    cgroup_limits: bool = True
+    """On a cgroup v1 host, enforce CPU/memory/pids with cgroups the server (as root) creates."""
+    warm_pools: list[WarmPoolSettings] = []
+    """Started, healthy sandboxes kept ready per image and resource spec."""
+
+    @field_validator("container_user")
+    @classmethod
+    def _not_root(cls, value: str) -> str:
+        if value.split(":")[0] == "0":
+            raise ValueError("sandboxes never run as root; use an unprivileged uid such as 1000:1000")
+        return value
 
 
 class BackendSettings(_Section):

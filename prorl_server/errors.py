@@ -13,6 +13,9 @@ one place, so a client never sees a traceback.
       InfrastructureError    a dependency failed during a job (never sent to
         SandboxError         clients as a status: it becomes the job's
         LLMError             failure of kind INFRASTRUCTURE)
+      PolicyError            the agent itself broke its rollout (a job failure
+        SandboxLimitExceeded of kind POLICY), e.g. a fork bomb or memory hog
+                             that killed its own sandbox
 """
 
 from __future__ import annotations
@@ -66,3 +69,13 @@ class SandboxError(InfrastructureError):
 
 class LLMError(InfrastructureError):
     reason = "llm_unavailable"
+
+
+class PolicyError(ProrlError):
+    """The agent's own actions ended the rollout."""
+
+    reason = "policy"
+
+
+class SandboxLimitExceeded(PolicyError):
+    reason = "sandbox_limit"

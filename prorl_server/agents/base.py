@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_server.agents.recorder import TrajectoryRecorder
-from prorl_server.errors import InfrastructureError
+from prorl_server.errors import InfrastructureError, PolicyError
 from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.sandbox.base import Sandbox
 
@@ -91,6 +91,8 @@ def classify(exc: BaseException) -> FailureInfo:
     anything unexpected is infrastructure too (a bug is never the policy's fault)."""
     if isinstance(exc, InfrastructureError):
         return FailureInfo(True, exc.reason, exc.message)
+    if isinstance(exc, PolicyError):
+        return FailureInfo(False, exc.reason, exc.message)
     return FailureInfo(True, "internal", f"{type(exc).__name__}: {exc}")
 
 

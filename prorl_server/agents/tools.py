@@ -54,23 +54,7 @@ class Tool(abc.ABC):
     async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput: ...
 
 
-class _SandboxCommand(Tool):
-    argument: str
-
-    def argv(self, value: str) -> list[str]:
-        raise NotImplementedError
-
-    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
-        result = await ctx.sandbox.exec(self.argv(arguments[self.argument]), timeout_s=ctx.limits.tool_timeout_s)
-        return ToolOutput(
-            output=result.output,
-            exit_code=result.exit_code,
-            truncated=result.truncated,
-            duration_s=result.duration_s,
-        )
-
-
-class BashTool(_SandboxCommand):
+class BashTool(Tool):
     name = "bash"
     description = "Run a bash command in the sandbox and return its output and exit code."
     parameters = {
@@ -78,24 +62,24 @@ class BashTool(_SandboxCommand):
         "properties": {"command": {"type": "string", "description": "The command to run."}},
         "required": ["command"],
     }
-    argument = "command"
 
-    def argv(self, value: str) -> list[str]:
-        return ["bash", "-c", value]
+    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
+        result = await ctx.sandbox.bash(arguments["command"], timeout_s=ctx.limits.tool_timeout_s)
+        return ToolOutput(result.output, result.exit_code, result.truncated, duration_s=result.duration_s)
 
 
-class PythonTool(_SandboxCommand):
+class PythonTool(Tool):
     name = "python"
-    description = "Run a Python 3 program in the sandbox; print() what you want to see."
+    description = "Run Python 3 in the sandbox; names persist between calls. print() what you want to see."
     parameters = {
         "type": "object",
         "properties": {"code": {"type": "string", "description": "The Python source to run."}},
         "required": ["code"],
     }
-    argument = "code"
 
-    def argv(self, value: str) -> list[str]:
-        return ["python3", "-c", value]
+    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
+        result = await ctx.sandbox.python(arguments["code"], timeout_s=ctx.limits.tool_timeout_s)
+        return ToolOutput(result.output, None, result.truncated, duration_s=result.duration_s)
 
 
 class FinishTool(Tool):

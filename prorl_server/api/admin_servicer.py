@@ -93,7 +93,19 @@ class AdminServicer(v1.AdminServiceServicer):
                 v1.PhaseStats(phase=phase, queued=gate.queued, active=gate.active, limit=gate.limit)
                 for phase, gate in manager.gates.items()
             ],
-            sandboxes_busy=manager.provider.busy,
+            sandboxes_busy=manager.sandboxes.busy,
+            pools=[
+                v1.SandboxPoolStats(
+                    image=p.image,
+                    cpus=p.cpus,
+                    memory_mib=p.memory_mib,
+                    pids_limit=p.pids_limit,
+                    warm=p.warm,
+                    busy=p.busy,
+                    target=p.target,
+                )
+                for p in manager.sandboxes.stats()
+            ],
             jobs=[v1.JobStatusCount(status=status, count=count) for status, count in sorted(by_status.items())],
             backends=[backend_to_proto(e) for e in manager.pool.entries()],
         )

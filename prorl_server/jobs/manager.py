@@ -24,7 +24,7 @@ from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
 from prorl_server.jobs.validation import check_job_id, resolve_plan
 from prorl_server.llm.router import BackendPool
-from prorl_server.sandbox.base import SandboxProvider
+from prorl_server.sandbox.pool import SandboxPools
 
 log = structlog.get_logger(__name__)
 
@@ -39,12 +39,12 @@ class JobManager:
         *,
         settings: Settings,
         registry: HandlerRegistry,
-        provider: SandboxProvider,
+        sandboxes: SandboxPools,
         pool: BackendPool,
     ) -> None:
         self._settings = settings
         self._registry = registry
-        self.provider = provider
+        self.sandboxes = sandboxes
         self.pool = pool
         phases = settings.phases
         self.gates = {
@@ -52,7 +52,7 @@ class JobManager:
             v1.PHASE_RUN: PhaseGate(phases.run),
             v1.PHASE_EVAL: PhaseGate(phases.eval),
         }
-        self._pipeline = Pipeline(gates=self.gates, provider=provider, pool=pool)
+        self._pipeline = Pipeline(gates=self.gates, sandboxes=sandboxes, pool=pool)
         self._jobs: dict[str, JobRecord] = {}
         self._finished: collections.deque[str] = collections.deque()
         self._numbers = itertools.count(1)
@@ -178,7 +178,7 @@ class JobManager:
 
     def stats(self) -> dict[str, object]:
         by_status: dict[int, int] = collections.Counter(job.status for job in self._jobs.values())
-        return {"by_status": by_status, "sandboxes_busy": self.provider.busy}
+        return {"by_status": by_status, "sandboxes_busy": self.sandboxes.busy}
 
     # --- lifecycle -------------------------------------------------------------
 

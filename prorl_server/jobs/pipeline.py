@@ -25,8 +25,9 @@ from prorl_server.agents.recorder import TrajectoryRecorder, duration
 from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.record import JobRecord
 from prorl_server.llm.router import BackendPool
-from prorl_server.sandbox.base import Sandbox, SandboxProvider, SandboxSpec
+from prorl_server.sandbox.base import Sandbox, SandboxSpec
 from prorl_server.sandbox.podman import LABEL_JOB
+from prorl_server.sandbox.pool import SandboxPools
 
 log = structlog.get_logger(__name__)
 
@@ -49,9 +50,9 @@ class _Outcome:
 
 
 class Pipeline:
-    def __init__(self, *, gates: dict[v1.Phase, PhaseGate], provider: SandboxProvider, pool: BackendPool) -> None:
+    def __init__(self, *, gates: dict[v1.Phase, PhaseGate], sandboxes: SandboxPools, pool: BackendPool) -> None:
         self.gates = gates
-        self._provider = provider
+        self._sandboxes = sandboxes
         self._pool = pool
 
     def _context(self, job: JobRecord) -> RolloutContext:
@@ -65,7 +66,7 @@ class Pipeline:
                 pids_limit=plan.pids_limit,
                 labels={LABEL_JOB: job.job_id},
             )
-            return await self._provider.create(spec)
+            return await self._sandboxes.acquire(spec)
 
         return RolloutContext(
             job_id=job.job_id,

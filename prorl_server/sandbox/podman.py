@@ -2,27 +2,40 @@
 
 podman-py is synchronous: every call runs in a bounded thread pool, never on
 the event loop. Each container carries the labels `prorl.managed=1` and
-`prorl.server=<instance id>`; cleanup removes exactly the containers with
-this server's label.
+`prorl.server=<instance id>`; cleanup removes exactly the containers with this
+server's label.
+
+A container starts the in-sandbox runtime (bind-mounted read-only) listening
+on a Unix socket in a per-sandbox folder the server created; the server talks
+to it over that socket. An image without python3 falls back to `podman exec`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
+import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
 from podman import PodmanClient
-from podman.errors import APIError, NotFound
+from podman.errors import NotFound
 
 from prorl_server.errors import SandboxError
-from prorl_server.sandbox.base import ExecResult, Sandbox, SandboxProvider, SandboxSpec
-from prorl_server.sandbox.output import cap_output
+from prorl_server.sandbox.base import Sandbox, SandboxProvider, SandboxSpec
+from prorl_server.sandbox.cgroups import CgroupV1Limiter
+from prorl_server.sandbox.exec_sandbox import ExecSandbox
+from prorl_server.sandbox.idmap import host_id
+from prorl_server.sandbox.runtime import RUNTIME_FILE
+from prorl_server.sandbox.runtime.client import RuntimeClient
+from prorl_server.sandbox.runtime_sandbox import RuntimeSandbox
 
 log = structlog.get_logger(__name__)
 
@@ -31,82 +44,44 @@ T = TypeVar("T")
 LABEL_MANAGED = "prorl.managed"
 LABEL_SERVER = "prorl.server"
 LABEL_JOB = "prorl.job"
-# Exit codes of coreutils `timeout`: 124 after the signal, 137 after -k's KILL.
-TIMEOUT_EXIT_CODES = (124, 137)
-# Extra seconds the host waits beyond a command's own timeout before giving up on it.
-EXEC_GRACE_S = 10.0
+LABEL_POOL = "prorl.pool"
+RUNTIME_MOUNT = "/opt/prorl"
+SOCKET_MOUNT = "/run/prorl"
+SOCKET_NAME = "rt.sock"
+# The sandbox user's process ceiling (containers.conf default_ulimits; the
+# rootless user cannot raise its hard limit beyond it).
+USER_NPROC_CEILING = 4096
+# Exit code of a shell that could not find the command (no python3 in the image).
+COMMAND_NOT_FOUND = 127
 
 
-class PodmanSandbox(Sandbox):
-    def __init__(self, provider: PodmanProvider, container: Any, max_output_bytes: int) -> None:
-        self._provider = provider
-        self._container = container
-        self._max_output_bytes = max_output_bytes
-        self._closed = False
-        self.id = container.id
-
-    async def exec(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout_s: float,
-        workdir: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> ExecResult:
-        if self._closed:
-            raise SandboxError("sandbox is closed")
-        # `timeout` puts the command in its own process group and kills the
-        # whole group; `2>&1` keeps stdout and stderr in their true order.
-        wrapped = ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh", "timeout", "-k", "2", f"{timeout_s:g}", *argv]
-        started = time.perf_counter()
-
-        def run() -> tuple[int | None, Any]:
-            return self._container.exec_run(  # type: ignore[no-any-return]
-                wrapped, demux=True, workdir=workdir, environment=dict(env or {})
-            )
-
-        try:
-            exit_code, output = await asyncio.wait_for(self._provider.call(run), timeout_s + EXEC_GRACE_S)
-        except TimeoutError:
-            raise SandboxError(f"exec did not return {timeout_s + EXEC_GRACE_S:g}s after its timeout") from None
-        except (APIError, NotFound) as exc:
-            raise SandboxError(f"exec failed: the container is gone or broken ({exc})") from exc
-        stdout = (output[0] if output else None) or b""
-        text, truncated = cap_output(stdout, self._max_output_bytes)
-        code = -1 if exit_code is None else int(exit_code)
-        timed_out = code in TIMEOUT_EXIT_CODES
-        if timed_out:
-            text += f"\n[command timed out after {timeout_s:g}s and was killed]"
-        return ExecResult(
-            exit_code=code,
-            output=text,
-            truncated=truncated,
-            timed_out=timed_out,
-            duration_s=time.perf_counter() - started,
-        )
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        await self._provider.remove(self._container.id)
+@dataclass(frozen=True)
+class PodmanOptions:
+    instance_id: str
+    state_dir: Path
+    """Host folder for the staged runtime and the per-sandbox socket folders."""
+    sandbox_user: str
+    container_user: str
+    """uid:gid the sandbox processes run as inside the container."""
+    workdir: str
+    tmp_mib: int
+    max_output_bytes: int
+    threads: int
+    runtime_start_timeout_s: float
+    cgroup_limits: bool
 
 
 class PodmanProvider(SandboxProvider):
-    def __init__(
-        self,
-        *,
-        url_factory: Callable[[], str],
-        instance_id: str,
-        max_output_bytes: int,
-        threads: int,
-    ) -> None:
+    def __init__(self, *, url_factory: Callable[[], str], options: PodmanOptions) -> None:
         self._url_factory = url_factory
-        self._instance_id = instance_id
-        self._max_output_bytes = max_output_bytes
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="podman")
+        self._options = options
+        self._pool = ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="podman")
         self._client: PodmanClient | None = None
         self._live: set[str] = set()
+        self._exec_only_images: set[str] = set()
+        self._runtime_dir = options.state_dir / "runtime"
+        self._sockets_dir = options.state_dir / "sockets" / options.instance_id
+        self._limiter: CgroupV1Limiter | None = None
 
     async def call(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
@@ -121,42 +96,118 @@ class PodmanProvider(SandboxProvider):
     def busy(self) -> int:
         return len(self._live)
 
+    @property
+    def limits_enforced_by(self) -> str:
+        return "cgroup-v1 (server)" if self._limiter else "podman"
+
     async def start(self) -> None:
         self._client = PodmanClient(base_url=self._url_factory(), timeout=120)
+        await self.call(self._stage_runtime)
+        if self._options.cgroup_limits and CgroupV1Limiter.usable():
+            self._limiter = CgroupV1Limiter(f"prorl-{self._options.instance_id}")
         removed = await self.remove_ours()
         if removed:
             log.warning("removed_leftover_containers", count=removed)
 
-    async def create(self, spec: SandboxSpec) -> Sandbox:
-        labels = {LABEL_MANAGED: "1", LABEL_SERVER: self._instance_id, **spec.labels}
-        job = spec.labels.get(LABEL_JOB, "")
-        name = f"prorl-{self._instance_id}-{secrets.token_hex(6)}"
+    def _stage_runtime(self) -> None:
+        """Copy the runtime where the sandbox user can read it (not the checkout,
+        which may sit in a home folder it cannot enter)."""
+        self._runtime_dir.mkdir(parents=True, exist_ok=True)
+        for folder in (self._options.state_dir, self._runtime_dir, self._sockets_dir.parent):
+            folder.mkdir(parents=True, exist_ok=True)
+            folder.chmod(0o755)
+        staged = self._runtime_dir / RUNTIME_FILE.name
+        if not staged.exists() or staged.read_bytes() != RUNTIME_FILE.read_bytes():
+            temporary = staged.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(RUNTIME_FILE, temporary)
+            temporary.chmod(0o644)
+            temporary.replace(staged)
+        shutil.rmtree(self._sockets_dir, ignore_errors=True)
+        self._sockets_dir.mkdir(parents=True)
+        self._sockets_dir.chmod(0o755)
+
+    def _socket_dir(self, name: str) -> Path:
+        folder = self._sockets_dir / name
+        folder.mkdir(mode=0o700)
+        if os.geteuid() == 0:
+            uid, _, gid = self._options.container_user.partition(":")
+            os.chown(
+                folder,
+                host_id(self._options.sandbox_user, int(uid)),
+                host_id(self._options.sandbox_user, int(gid or uid), kind="gid"),
+            )
+        else:
+            folder.chmod(0o777)  # cannot chown without root: the socket's own mode protects it
+        return folder
+
+    def _create_kwargs(self, spec: SandboxSpec, name: str, labels: dict[str, str], runtime: bool) -> dict[str, Any]:
+        options = self._options
         memory = spec.memory_mib * 1024 * 1024
+        # RLIMIT_NPROC counts every process of the host uid all sandboxes share, so
+        # as a per-sandbox limit it would let one fork bomb starve the others: with
+        # cgroups enforcing pids per sandbox it is only the user-wide ceiling.
+        nproc = USER_NPROC_CEILING if options.cgroup_limits else spec.pids_limit
+        kwargs: dict[str, Any] = {
+            "name": name,
+            "labels": labels,
+            "network_mode": "none",
+            "init": True,
+            "user": options.container_user,
+            "working_dir": options.workdir,
+            "mem_limit": memory,
+            "memswap_limit": memory,
+            "nano_cpus": int(spec.cpus * 1e9),
+            "pids_limit": spec.pids_limit,
+            "ulimits": [
+                {"Name": "nproc", "Soft": nproc, "Hard": nproc},
+                {"Name": "nofile", "Soft": 1024, "Hard": 1024},
+            ],
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "mounts": [{"type": "tmpfs", "target": "/tmp", "size": f"{options.tmp_mib}m", "mode": "1777"}],
+        }
+        if runtime:
+            kwargs["command"] = [
+                "python3", f"{RUNTIME_MOUNT}/{RUNTIME_FILE.name}", "serve",
+                "--socket", f"{SOCKET_MOUNT}/{SOCKET_NAME}", "--workdir", options.workdir,
+            ]  # fmt: skip
+            kwargs["mounts"] += [
+                {"type": "bind", "source": str(self._runtime_dir), "target": RUNTIME_MOUNT, "read_only": True},
+                {"type": "bind", "source": str(self._sockets_dir / name), "target": SOCKET_MOUNT},
+            ]
+        else:
+            kwargs["command"] = ["sleep", "infinity"]
+        return kwargs
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        runtime = spec.image not in self._exec_only_images
+        sandbox = await self._create(spec, runtime=runtime)
+        if sandbox is None:  # the image has no python3: remember, and fall back
+            self._exec_only_images.add(spec.image)
+            log.warning("image_without_python3", image=spec.image, fallback="podman exec")
+            sandbox = await self._create(spec, runtime=False)
+        assert sandbox is not None
+        return sandbox
+
+    async def _create(self, spec: SandboxSpec, *, runtime: bool) -> Sandbox | None:
+        name = f"prorl-{self._options.instance_id}-{secrets.token_hex(6)}"
+        labels = {LABEL_MANAGED: "1", LABEL_SERVER: self._options.instance_id, **spec.labels}
 
         def create_and_start() -> Any:
-            container = self.client.containers.create(
-                spec.image,
-                command=["sleep", "infinity"],
-                name=name,
-                labels=labels,
-                network_mode="none",
-                init=True,
-                mem_limit=memory,
-                memswap_limit=memory,
-                nano_cpus=int(spec.cpus * 1e9),
-                pids_limit=spec.pids_limit,
-                # Where cgroup limits are ignored (rootless on cgroup v1) the
-                # process rlimit still bounds forks. RLIMIT_AS cannot stand in
-                # for memory: runc itself needs more address space than that.
-                ulimits=[
-                    {"Name": "nproc", "Soft": spec.pids_limit, "Hard": spec.pids_limit},
-                    {"Name": "nofile", "Soft": 1024, "Hard": 1024},
-                ],
-                cap_drop=["ALL"],
-                security_opt=["no-new-privileges"],
-            )
+            if runtime:
+                self._socket_dir(name)
+            container = self.client.containers.create(spec.image, **self._create_kwargs(spec, name, labels, runtime))
             try:
                 container.start()
+                if self._limiter is not None:
+                    container.reload()
+                    self._limiter.apply(
+                        name,
+                        int(container.attrs["State"]["Pid"]),
+                        cpus=spec.cpus,
+                        memory_bytes=spec.memory_mib * 1024 * 1024,
+                        pids=spec.pids_limit,
+                    )
             except Exception:
                 container.remove(force=True)
                 raise
@@ -166,36 +217,97 @@ class PodmanProvider(SandboxProvider):
         try:
             container = await self.call(create_and_start)
         except Exception as exc:
-            self._live.discard(name)
+            await self._forget(name)
             message = str(exc)
             if "image not known" in message or "no such image" in message.lower():
                 raise SandboxError(
                     f"sandbox image {spec.image!r} is not built: run `make images`", reason="sandbox_image"
                 ) from exc
-            raise SandboxError(f"could not start sandbox from {spec.image!r}: {message}") from exc
-        self._live.discard(name)
-        self._live.add(container.id)
-        log.debug("sandbox_started", container=container.id[:12], image=spec.image, job=job)
-        return PodmanSandbox(self, container, self._max_output_bytes)
+            raise SandboxError(f"could not start a sandbox from {spec.image!r}: {message}") from exc
 
-    async def remove(self, container_id: str) -> None:
+        async def remove() -> None:
+            await self.remove(name)
+
+        if not runtime:
+            return ExecSandbox(
+                container, run_in_thread=self.call, max_output_bytes=self._options.max_output_bytes, remove=remove
+            )
+        try:
+            client = await self._connect_runtime(name, container)
+        except BaseException:
+            await self.remove(name)
+            raise
+        if client is None:
+            await self.remove(name)
+            return None
+
+        async def limits_hit() -> list[str]:
+            limiter = self._limiter
+            return await self.call(lambda: limiter.limits_hit(name)) if limiter else []
+
+        return RuntimeSandbox(
+            name, client, max_output_bytes=self._options.max_output_bytes, remove=remove, limits_hit=limits_hit
+        )
+
+    async def _connect_runtime(self, name: str, container: Any) -> RuntimeClient | None:
+        """Wait for the runtime's socket; None when the image cannot run it."""
+        socket_path = self._sockets_dir / name / SOCKET_NAME
+        deadline = time.monotonic() + self._options.runtime_start_timeout_s
+        checked_at = time.monotonic()
+        while not socket_path.exists():
+            if time.monotonic() > deadline:
+                raise SandboxError(
+                    f"the sandbox runtime did not start within {self._options.runtime_start_timeout_s:g}s",
+                    reason="sandbox_start",
+                )
+            if time.monotonic() - checked_at > 0.5:
+                checked_at = time.monotonic()
+                state = await self.call(lambda: (container.reload(), container.attrs["State"])[1])
+                if state.get("Status") == "exited":
+                    if state.get("ExitCode") == COMMAND_NOT_FOUND:
+                        return None
+                    raise SandboxError(
+                        f"the sandbox exited at start (code {state.get('ExitCode')})", reason="sandbox_start"
+                    )
+            await asyncio.sleep(0.005)
+        client = RuntimeClient(str(socket_path))
+        await client.connect()
+        try:
+            await client.call("health")
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    async def _forget(self, name: str) -> None:
+        self._live.discard(name)
+        await self.call(lambda: shutil.rmtree(self._sockets_dir / name, ignore_errors=True))
+
+    async def remove(self, name: str) -> None:
         def remove() -> None:
             with contextlib.suppress(NotFound):
-                self.client.containers.remove(container_id, force=True, v=True)
+                self.client.containers.remove(name, force=True, v=True)
+            if self._limiter is not None:
+                self._limiter.remove(name)
+            shutil.rmtree(self._sockets_dir / name, ignore_errors=True)
 
         try:
             await self.call(remove)
         finally:
-            self._live.discard(container_id)
+            self._live.discard(name)
 
     async def remove_ours(self) -> int:
         """Remove every container labelled as this server's; returns the count."""
 
         def remove_all() -> int:
-            containers = self.client.containers.list(all=True, filters={"label": f"{LABEL_SERVER}={self._instance_id}"})
+            containers = self.client.containers.list(
+                all=True, filters={"label": f"{LABEL_SERVER}={self._options.instance_id}"}
+            )
             for container in containers:
                 with contextlib.suppress(NotFound):
                     container.remove(force=True, v=True)
+            if self._limiter is not None:
+                self._limiter.remove_all()
             return len(containers)
 
         return await self.call(remove_all)
@@ -204,6 +316,7 @@ class PodmanProvider(SandboxProvider):
         if self._client is not None:
             try:
                 await self.remove_ours()
+                await self.call(lambda: shutil.rmtree(self._sockets_dir, ignore_errors=True))
             finally:
                 self._live.clear()
                 self._client.close()

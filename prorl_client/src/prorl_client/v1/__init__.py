@@ -17,6 +17,7 @@ from prorl_client._proto.prorl.v1.admin_service_pb2 import (
     PhaseStats as PhaseStats,
     RemoveBackendRequest as RemoveBackendRequest,
     RemoveBackendResponse as RemoveBackendResponse,
+    SandboxPoolStats as SandboxPoolStats,
 )
 from prorl_client._proto.prorl.v1.admin_service_pb2_grpc import (
     AdminServiceServicer as AdminServiceServicer,
@@ -143,6 +144,7 @@ __all__ = [
     "RolloutStreamRequest",
     "RolloutStreamResponse",
     "SamplingParams",
+    "SandboxPoolStats",
     "SandboxSpec",
     "SubmitRequest",
     "SubmitResponse",

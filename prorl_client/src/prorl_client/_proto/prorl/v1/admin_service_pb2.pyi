@@ -105,13 +105,33 @@ class JobStatusCount(_message.Message):
     def __init__(self, status: _Optional[_Union[_rollout_pb2.JobStatus, str]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("phases", "sandboxes_busy", "jobs", "backends")
+    __slots__ = ("phases", "sandboxes_busy", "jobs", "backends", "pools")
     PHASES_FIELD_NUMBER: _ClassVar[int]
     SANDBOXES_BUSY_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     phases: _containers.RepeatedCompositeFieldContainer[PhaseStats]
     sandboxes_busy: int
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatusCount]
     backends: _containers.RepeatedCompositeFieldContainer[Backend]
-    def __init__(self, phases: _Optional[_Iterable[_Union[PhaseStats, _Mapping]]] = ..., sandboxes_busy: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatusCount, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[SandboxPoolStats]
+    def __init__(self, phases: _Optional[_Iterable[_Union[PhaseStats, _Mapping]]] = ..., sandboxes_busy: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatusCount, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[SandboxPoolStats, _Mapping]]] = ...) -> None: ...
+
+class SandboxPoolStats(_message.Message):
+    __slots__ = ("image", "cpus", "memory_mib", "pids_limit", "warm", "busy", "target")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    PIDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    image: str
+    cpus: float
+    memory_mib: int
+    pids_limit: int
+    warm: int
+    busy: int
+    target: int
+    def __init__(self, image: _Optional[str] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., pids_limit: _Optional[int] = ..., warm: _Optional[int] = ..., busy: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...

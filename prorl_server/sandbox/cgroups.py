@@ -1,0 +1,116 @@
+"""CPU, memory and pids limits for rootless containers on a cgroup v1 host.
+
+Rootless Podman cannot apply cgroup limits on cgroup v1 (it ignores them with
+a warning). When the server runs as root it can: it creates one group per
+sandbox in the v1 memory, cpu and pids hierarchies, under its own groups,
+writes the limits and moves the container's processes in. Every process the
+in-sandbox runtime starts afterwards inherits the groups. On a cgroup v2 host
+Podman enforces the limits itself and this class stands aside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CONTROLLERS = ("memory", "cpu", "pids")
+CPU_PERIOD_US = 100_000
+
+
+def _own_group(controller: str) -> str:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        if controller in names.split(","):
+            return path.lstrip("/")
+    return ""
+
+
+def _descendants(root_pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [root_pid]
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(children.get(pid, []))
+    return found
+
+
+class CgroupV1Limiter:
+    def __init__(self, parent_name: str) -> None:
+        self._parents = {c: CGROUP_ROOT / c / _own_group(c) / parent_name for c in CONTROLLERS}
+
+    @staticmethod
+    def usable() -> bool:
+        """True on a cgroup v1 (or hybrid) host when we may write the hierarchies."""
+        if os.geteuid() != 0 or (CGROUP_ROOT / "cgroup.controllers").exists():
+            return False
+        return all((CGROUP_ROOT / c / _own_group(c)).is_dir() for c in CONTROLLERS)
+
+    def apply(self, name: str, pid: int, *, cpus: float, memory_bytes: int, pids: int) -> None:
+        """Limit the process tree rooted at `pid` (blocking: call from a thread)."""
+        groups = {c: parent / name for c, parent in self._parents.items()}
+        for group in groups.values():
+            group.mkdir(parents=True, exist_ok=True)
+        (groups["memory"] / "memory.limit_in_bytes").write_text(str(memory_bytes))
+        swap_limit = groups["memory"] / "memory.memsw.limit_in_bytes"
+        if swap_limit.exists():
+            swap_limit.write_text(str(memory_bytes))
+        (groups["cpu"] / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        (groups["cpu"] / "cpu.cfs_quota_us").write_text(str(max(int(cpus * CPU_PERIOD_US), 1000)))
+        (groups["pids"] / "pids.max").write_text(str(pids))
+        for process in _descendants(pid):
+            for group in groups.values():
+                with contextlib.suppress(ProcessLookupError):
+                    (group / "cgroup.procs").write_text(str(process))
+
+    def limits_hit(self, name: str) -> list[str]:
+        """Which limits the sandbox has run into, e.g. ["memory", "pids"] (blocking)."""
+        hit = []
+        memory = self._parents["memory"] / name
+        if memory.is_dir() and int((memory / "memory.failcnt").read_text() or 0) > 0:
+            hit.append("memory")
+        events = self._parents["pids"] / name / "pids.events"
+        if events.exists() and any(
+            line.split()[0] == "max" and int(line.split()[1]) > 0 for line in events.read_text().splitlines()
+        ):
+            hit.append("pids")
+        return hit
+
+    def remove(self, name: str) -> None:
+        """Remove a sandbox's groups once its processes are gone (blocking)."""
+        for parent in self._parents.values():
+            group = parent / name
+            for _ in range(40):  # processes of a removed container may take a moment to exit
+                try:
+                    group.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            else:
+                log.warning("cgroup_not_removed", group=str(group))
+
+    def remove_all(self) -> None:
+        for parent in self._parents.values():
+            if parent.is_dir():
+                for child in parent.iterdir():
+                    if child.is_dir():
+                        with contextlib.suppress(OSError):
+                            child.rmdir()

@@ -1,0 +1,120 @@
+"""The fallback for images without python3: every call is a `podman exec`.
+
+Same interface, fewer guarantees: each bash call starts a fresh shell (no
+persistent cwd or environment), Python runs with `python3 -c` if the image has
+it, and the editor is unavailable. Podman calls run in the provider's thread
+pool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import shlex
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from podman.errors import APIError, NotFound
+
+from prorl_server.errors import SandboxError
+from prorl_server.sandbox.base import CommandResult, Sandbox
+from prorl_server.sandbox.output import cap_output
+
+# Exit codes of coreutils `timeout`: 124 after the signal, 137 after -k's KILL.
+TIMEOUT_EXIT_CODES = (124, 137)
+EXEC_GRACE_S = 10.0
+
+
+class ExecSandbox(Sandbox):
+    mode = "exec"
+
+    def __init__(
+        self,
+        container: Any,
+        *,
+        run_in_thread: Callable[[Callable[[], Any]], Awaitable[Any]],
+        max_output_bytes: int,
+        remove: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.id = container.id
+        self._container = container
+        self._thread = run_in_thread
+        self._max_output_bytes = max_output_bytes
+        self._remove = remove
+        self._closed = False
+
+    async def _exec(self, argv: Sequence[str], timeout_s: float) -> tuple[int, bytes, float]:
+        if self._closed:
+            raise SandboxError("the sandbox is closed")
+        # `timeout` puts the command in its own process group and kills the whole
+        # group; `2>&1` keeps stdout and stderr in their true order.
+        wrapped = ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh", "timeout", "-k", "2", f"{timeout_s:g}", *argv]
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout_s + EXEC_GRACE_S):
+                code, output = await self._thread(lambda: self._container.exec_run(wrapped, demux=True))
+        except TimeoutError:
+            raise SandboxError(
+                f"exec did not return {EXEC_GRACE_S:g}s after its timeout", reason="sandbox_lost"
+            ) from None
+        except (APIError, NotFound) as exc:
+            raise SandboxError(f"exec failed: the container is gone or broken ({exc})", reason="sandbox_lost") from exc
+        stdout = (output[0] if output else None) or b""
+        return (-1 if code is None else int(code)), stdout, time.perf_counter() - started
+
+    async def _command(self, argv: Sequence[str], timeout_s: float) -> CommandResult:
+        code, stdout, duration = await self._exec(argv, timeout_s)
+        text, truncated = cap_output(stdout, self._max_output_bytes)
+        timed_out = code in TIMEOUT_EXIT_CODES
+        if timed_out:
+            text += f"\n[command timed out after {timeout_s:g}s; its process group was killed]"
+        return CommandResult(text, code, truncated, timed_out, duration, is_error=code != 0)
+
+    async def bash(self, command: str, *, timeout_s: float) -> CommandResult:
+        return await self._command(["sh", "-c", command], timeout_s)
+
+    async def python(self, code: str, *, timeout_s: float) -> CommandResult:
+        return await self._command(["python3", "-c", code], timeout_s)
+
+    async def edit(self, command: str, path: str, **params: Any) -> CommandResult:
+        return CommandResult(
+            "Error: the file editor needs python3 in the sandbox image; use bash (cat, sed) instead", is_error=True
+        )
+
+    async def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        code, data, _ = await self._exec(["cat", path], 60)
+        if code != 0:
+            raise SandboxError(f"cannot read {path}: {data[:300].decode(errors='replace')}", reason="sandbox_file")
+        return data if max_bytes is None else data[:max_bytes]
+
+    async def write_file(self, path: str, data: bytes, *, mode: int | None = None) -> None:
+        script = f"printf %s {shlex.quote(base64.b64encode(data).decode())} | base64 -d > {shlex.quote(path)}"
+        if mode is not None:
+            script += f" && chmod {mode:o} {shlex.quote(path)}"
+        code, output, _ = await self._exec(["sh", "-c", script], 60)
+        if code != 0:
+            raise SandboxError(f"cannot write {path}: {output[:300].decode(errors='replace')}", reason="sandbox_file")
+
+    async def list_dir(self, path: str) -> list[dict[str, Any]]:
+        code, output, _ = await self._exec(
+            ["find", path, "-mindepth", "1", "-maxdepth", "1", "-printf", r"%y %s %f\n"], 30
+        )
+        if code != 0:
+            raise SandboxError(f"cannot list {path}: {output[:300].decode(errors='replace')}", reason="sandbox_file")
+        entries = []
+        for line in sorted(output.decode(errors="replace").splitlines(), key=lambda item: item.split(" ", 2)[-1]):
+            kind, size, name = line.split(" ", 2)
+            entries.append({"name": name, "type": "dir" if kind == "d" else "file", "size": int(size)})
+        return entries
+
+    async def health(self) -> dict[str, Any]:
+        code, _, _ = await self._exec(["true"], 10)
+        return {"ok": code == 0}
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._closed_now()
+        await self._remove()

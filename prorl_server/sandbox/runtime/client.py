@@ -1,0 +1,100 @@
+"""The server's asyncio client of the in-sandbox runtime.
+
+Frames are an 8-byte big-endian length and UTF-8 JSON (see prorl_runtime.py).
+Many calls may be in flight on one connection; answers are matched by id, so
+concurrent tool calls on one sandbox are safe. Outputs of many megabytes are
+read with readexactly and decoded off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import struct
+from typing import Any
+
+from prorl_server.errors import SandboxError
+
+HEADER = struct.Struct(">Q")
+# Frames larger than this are decoded in a worker thread.
+INLINE_DECODE_BYTES = 1 << 20
+
+
+class RuntimeClient:
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._ids = itertools.count(1)
+        self._read_task: asyncio.Task[None] | None = None
+        self._write_lock = asyncio.Lock()
+        self._broken: str | None = None
+
+    async def connect(self) -> None:
+        self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path, limit=1 << 20)
+        self._read_task = asyncio.create_task(self._read_loop(), name=f"runtime-reader:{self.socket_path}")
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        try:
+            while True:
+                header = await self._reader.readexactly(HEADER.size)
+                (size,) = HEADER.unpack(header)
+                body = await self._reader.readexactly(size)
+                if size > INLINE_DECODE_BYTES:
+                    reply = await asyncio.to_thread(json.loads, body)
+                else:
+                    reply = json.loads(body)
+                future = self._pending.pop(reply.get("id"), None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            self._fail(f"the sandbox runtime closed the connection ({type(exc).__name__})")
+        except asyncio.CancelledError:
+            self._fail("the runtime client was closed")
+            raise
+
+    def _fail(self, reason: str) -> None:
+        self._broken = reason
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(SandboxError(reason, reason="sandbox_lost"))
+
+    async def call(self, op: str, **params: Any) -> dict[str, Any]:
+        """Send one request and wait for its answer; SandboxError when the runtime is gone."""
+        if self._writer is None or self._broken:
+            raise SandboxError(self._broken or "the runtime client is not connected", reason="sandbox_lost")
+        request_id = next(self._ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        body = json.dumps({"id": request_id, "op": op, **params}).encode()
+        try:
+            async with self._write_lock:
+                self._writer.write(HEADER.pack(len(body)) + body)
+                await self._writer.drain()
+        except (ConnectionError, OSError) as exc:
+            self._pending.pop(request_id, None)
+            raise SandboxError(f"cannot reach the sandbox runtime: {exc}", reason="sandbox_lost") from exc
+        try:
+            reply = await future
+        finally:
+            self._pending.pop(request_id, None)
+        if not reply.get("ok"):
+            raise SandboxError(f"the sandbox runtime failed on {op}: {reply.get('error')}", reason="sandbox_runtime")
+        return reply
+
+    async def close(self) -> None:
+        if self._read_task is not None:
+            self._read_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._read_task
+            self._read_task = None
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await self._writer.wait_closed()
+            self._writer = None
