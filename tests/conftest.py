@@ -10,6 +10,7 @@ import os
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +21,8 @@ from prorl_client import Client
 from prorl_server.app import ProrlServer
 from prorl_server.config import Settings, load_settings
 from prorl_server.llm.scripted import Script, ScriptedLLMServer
-from prorl_server.sandbox.podman import LABEL_JOB, LABEL_MANAGED, LABEL_SERVER
+from prorl_server.sandbox.base import SandboxSpec
+from prorl_server.sandbox.podman import LABEL_JOB, LABEL_MANAGED, LABEL_SERVER, PodmanOptions, PodmanProvider
 from prorl_server.sandbox.podman_service import PodmanService
 
 SANDBOX_USER = os.environ.get("PRORL_TEST_SANDBOX_USER", "prorl")
@@ -42,6 +44,12 @@ async def podman_url() -> AsyncIterator[str]:
     finally:
         await service.stop()
     assert not names, f"tests left containers behind: {names}"
+    groups = leftover_cgroups()
+    assert not groups, f"tests left cgroups behind: {groups}"
+
+
+def leftover_cgroups() -> list[str]:
+    return [str(p) for c in ("memory", "pids", "cpu") for p in Path("/sys/fs/cgroup", c).rglob("prorl-*")]
 
 
 def job_containers(podman_url: str, job_id: str) -> list[Any]:
@@ -77,7 +85,7 @@ def make_settings(podman_url: str, llm_url: str | None, **sections: dict[str, An
             "shutdown_grace_s": 0,
             "log_level": "warning",
         },
-        "sandbox": {"podman_socket": podman_url},
+        "sandbox": {"podman_socket": podman_url, "tmp_mib": 64},
         "llm": {
             "backends": [{"id": "scripted", "base_url": llm_url}] if llm_url else [],
             "embedded": {"enabled": "never" if llm_url else "always"},
@@ -109,3 +117,36 @@ async def start_server(podman_url: str) -> AsyncIterator[ServerFactory]:
         await client.close()
         await server.stop()
         assert not server_containers(podman_url, server.settings.server.instance_id)
+
+
+def podman_options(instance_id: str, **overrides: Any) -> PodmanOptions:
+    values: dict[str, Any] = {
+        "instance_id": instance_id,
+        "state_dir": Path("/var/lib/prorl"),
+        "sandbox_user": SANDBOX_USER,
+        "container_user": "1000:1000",
+        "workdir": "/workspace",
+        "tmp_mib": 64,
+        "max_output_bytes": 16 * 1024,
+        "threads": 8,
+        "runtime_start_timeout_s": 30.0,
+        "cgroup_limits": True,
+        **overrides,
+    }
+    return PodmanOptions(**values)
+
+
+def small_spec(image: str = "localhost/prorl-python:latest", **overrides: Any) -> SandboxSpec:
+    values: dict[str, Any] = {"image": image, "cpus": 1.0, "memory_mib": 256, "pids_limit": 64, **overrides}
+    return SandboxSpec(**values)
+
+
+@pytest_asyncio.fixture
+async def provider(podman_url: str) -> AsyncIterator[PodmanProvider]:
+    """A real Podman provider of its own (unique instance id), closed after the test."""
+    instance = f"sbx-{uuid.uuid4().hex[:10]}"
+    provider = PodmanProvider(url_factory=lambda: podman_url, options=podman_options(instance))
+    await provider.start()
+    yield provider
+    await provider.close()
+    assert not server_containers(podman_url, instance)

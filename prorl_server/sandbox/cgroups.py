@@ -64,6 +64,9 @@ class CgroupV1Limiter:
 
     def apply(self, name: str, pid: int, *, cpus: float, memory_bytes: int, pids: int) -> None:
         """Limit the process tree rooted at `pid` (blocking: call from a thread)."""
+        if pid <= 0:
+            # Writing 0 to cgroup.procs would move the server itself.
+            raise ValueError(f"no process to limit (pid {pid})")
         groups = {c: parent / name for c, parent in self._parents.items()}
         for group in groups.values():
             group.mkdir(parents=True, exist_ok=True)
@@ -108,9 +111,11 @@ class CgroupV1Limiter:
                 log.warning("cgroup_not_removed", group=str(group))
 
     def remove_all(self) -> None:
+        """Remove every group of this server, and its parent groups (blocking)."""
         for parent in self._parents.values():
             if parent.is_dir():
                 for child in parent.iterdir():
                     if child.is_dir():
-                        with contextlib.suppress(OSError):
-                            child.rmdir()
+                        self.remove(child.name)
+                with contextlib.suppress(OSError):
+                    parent.rmdir()

@@ -167,8 +167,10 @@ class PodmanProvider(SandboxProvider):
             "mounts": [{"type": "tmpfs", "target": "/tmp", "size": f"{options.tmp_mib}m", "mode": "1777"}],
         }
         if runtime:
+            # Exit 127 when the image has no python3: the caller falls back to exec.
             kwargs["command"] = [
-                "python3", f"{RUNTIME_MOUNT}/{RUNTIME_FILE.name}", "serve",
+                "/bin/sh", "-c", 'command -v python3 >/dev/null 2>&1 || exit 127; exec python3 "$@"', "sh",
+                f"{RUNTIME_MOUNT}/{RUNTIME_FILE.name}", "serve",
                 "--socket", f"{SOCKET_MOUNT}/{SOCKET_NAME}", "--workdir", options.workdir,
             ]  # fmt: skip
             kwargs["mounts"] += [
@@ -199,11 +201,13 @@ class PodmanProvider(SandboxProvider):
             container = self.client.containers.create(spec.image, **self._create_kwargs(spec, name, labels, runtime))
             try:
                 container.start()
-                if self._limiter is not None:
-                    container.reload()
+                container.reload()
+                pid = int(container.attrs["State"].get("Pid") or 0)
+                # pid 0: it already exited (e.g. no python3); the runtime check says why.
+                if self._limiter is not None and pid > 0:
                     self._limiter.apply(
                         name,
-                        int(container.attrs["State"]["Pid"]),
+                        pid,
                         cpus=spec.cpus,
                         memory_bytes=spec.memory_mib * 1024 * 1024,
                         pids=spec.pids_limit,

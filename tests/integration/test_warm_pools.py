@@ -1,0 +1,100 @@
+"""Warm pools: ready sandboxes per spec, refilled in the background, never reused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prorl_client import v1
+from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index
+from prorl_server.sandbox.pool import SandboxPools
+from tests.conftest import small_spec
+from tests.helpers import assert_eventually, math_request
+
+pytestmark = pytest.mark.podman
+
+
+async def test_acquire_takes_a_warm_sandbox_and_the_pool_refills(provider) -> None:
+    spec = small_spec()
+    pools = SandboxPools(provider, [(spec, 2)])
+    pools.start()
+    try:
+        await assert_eventually(lambda: pools.stats()[0].warm == 2, message="pool never filled")
+        warm_ids = {sandbox.id for sandbox in pools._pools[spec.pool_key].ready}
+
+        first = await pools.acquire(small_spec())
+        assert first.id in warm_ids
+        (stats,) = pools.stats()
+        assert stats.busy == 1 and stats.target == 2
+        assert (await first.bash("echo warm", timeout_s=10)).output == "warm\n"
+        await assert_eventually(lambda: pools.stats()[0].warm == 2, message="pool never refilled")
+
+        await first.close()
+        assert pools.stats()[0].busy == 0
+        # A used sandbox is destroyed, never handed out again.
+        taken = [await pools.acquire(small_spec()) for _ in range(3)]
+        assert first.id not in {sandbox.id for sandbox in taken}
+        assert pools.stats()[0].busy == 3
+        for sandbox in taken:
+            await sandbox.close()
+
+        # A spec without a pool is started cold.
+        cold = await pools.acquire(small_spec(cpus=0.5))
+        assert {s.cpus: s.target for s in pools.stats()} == {0.5: 0, 1.0: 2}
+        await cold.close()
+    finally:
+        await pools.close()
+
+
+async def test_stats_report_warm_and_busy_sandboxes_per_pool(scripted_llm, start_server) -> None:
+    def script(messages: list[dict[str, Any]]) -> ScriptedReply:
+        if turn_index(messages) == 0:
+            return ScriptedReply(tool_call_text("bash", {"command": "sleep 2"}))
+        return ScriptedReply(tool_call_text("finish", {"answer": "42"}))
+
+    llm = await scripted_llm(script)
+    _, client = await start_server(
+        llm.base_url, sandbox={"warm_pools": [{"size": 2, "cpus": 1.0, "memory_mib": 256, "pids_limit": 64}]}
+    )
+
+    async def pool_state() -> tuple[int, int]:
+        (pool,) = (await client.get_stats()).pools
+        return pool.warm, pool.busy
+
+    async def full() -> bool:
+        return await pool_state() == (2, 0)
+
+    await assert_eventually(full)
+    request = math_request("What is 6 * 7?", "42", job_id="pooled")
+    request.sandbox.cpus, request.sandbox.memory_mib, request.sandbox.pids_limit = 1.0, 256, 64
+    await client.submit(request)
+
+    async def one_busy() -> bool:
+        return (await pool_state())[1] == 1
+
+    await assert_eventually(one_busy)
+    events = [e async for e in client.watch("pooled")]
+    assert events[-1].finished.result.reward == 1.0
+    await assert_eventually(full)
+    stats = await client.get_stats()
+    assert stats.sandboxes_busy == 0 and stats.pools[0].target == 2
+
+
+async def test_a_memory_hog_job_reports_a_clear_outcome(scripted_llm, start_server) -> None:
+    def script(messages: list[dict[str, Any]]) -> ScriptedReply:
+        if turn_index(messages) == 0:
+            return ScriptedReply(tool_call_text("python", {"code": "hog = bytearray(2 * 1024**3)"}))
+        return ScriptedReply(tool_call_text("finish", {"answer": "42"}))
+
+    llm = await scripted_llm(script)
+    _, client = await start_server(llm.base_url)
+    request = math_request("Eat memory", "42")
+    request.sandbox.memory_mib = 128
+    events = [e async for e in client.rollout(request)]
+
+    result = events[-1].finished.result
+    tool = next(e.tool_result for e in events if e.HasField("tool_result"))
+    # The hog was killed; the agent was told and went on.
+    assert "killed" in tool.output or "MemoryError" in tool.output
+    assert result.status == v1.JOB_STATUS_SUCCEEDED and result.reward == 1.0
