@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 PYTEST ?= $(PYTHON) -m pytest
 
-.PHONY: setup setup-host setup-python images proto proto-check lint test test-e2e test-all demo clean-containers
+.PHONY: setup setup-host setup-python images proto proto-check lint test test-e2e test-all demo clean-containers bench bench-sandbox
 
 setup: setup-host setup-python images
 
@@ -44,6 +44,13 @@ test-e2e:
 # Everything CI runs: set-up, generated-code check, lint, every test.
 test-all: setup proto-check lint
 	$(PYTEST) -q
+
+# Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
+bench: bench-sandbox
+
+bench-sandbox: setup
+	$(PIP) install --quiet -e '.[bench]'
+	$(PYTHON) bench/sandbox.py
 
 demo: setup
 	$(PYTHON) -m prorl_server demo --out demo_trajectories.jsonl

@@ -143,10 +143,10 @@ class PodmanProvider(SandboxProvider):
     def _create_kwargs(self, spec: SandboxSpec, name: str, labels: dict[str, str], runtime: bool) -> dict[str, Any]:
         options = self._options
         memory = spec.memory_mib * 1024 * 1024
-        # RLIMIT_NPROC counts every process of the host uid all sandboxes share, so
-        # as a per-sandbox limit it would let one fork bomb starve the others: with
-        # cgroups enforcing pids per sandbox it is only the user-wide ceiling.
-        nproc = USER_NPROC_CEILING if options.cgroup_limits else spec.pids_limit
+        # RLIMIT_NPROC counts every process of the host uid all sandboxes share:
+        # as a per-sandbox limit it would let one sandbox starve the others, so it
+        # is only the user-wide ceiling; pids per sandbox is the cgroup's job.
+        nproc = USER_NPROC_CEILING
         kwargs: dict[str, Any] = {
             "name": name,
             "labels": labels,
