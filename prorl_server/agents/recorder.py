@@ -26,9 +26,6 @@ class TrajectoryRecorder:
     def __init__(self, emit: EventSink) -> None:
         self._emit = emit
         self.messages: list[dict[str, Any]] = []
-        self.token_ids: list[int] = []
-        self.loss_mask: list[int] = []
-        self.logprobs: list[float] = []
         self.policy_versions: list[int] = []
         self.num_turns = 0
         self.format_errors = 0
@@ -42,10 +39,6 @@ class TrajectoryRecorder:
         self.num_turns += 1
         self.llm_s += result.latency_s
         self.policy_versions.append(result.policy_version)
-        if result.token_ids:
-            self.token_ids.extend(result.token_ids)
-            self.loss_mask.extend([1] * len(result.token_ids))
-            self.logprobs.extend(result.logprobs or [0.0] * len(result.token_ids))
         self._emit(
             model_turn=v1.ModelTurn(
                 turn=turn,
@@ -58,6 +51,7 @@ class TrajectoryRecorder:
                 backend_id=result.backend_id,
                 latency=duration(result.latency_s),
                 policy_version=result.policy_version,
+                switched_from_backend=result.switched_from_backend,
             )
         )
 
@@ -86,12 +80,14 @@ class TrajectoryRecorder:
             )
         )
 
-    def to_proto(self) -> v1.Trajectory:
+    def to_proto(self, tokens: tuple[list[int], list[int], list[float]] = ([], [], [])) -> v1.Trajectory:
+        """The trajectory; `tokens` is (token_ids, loss_mask, logprobs) when the backend gave ids."""
+        token_ids, loss_mask, logprobs = tokens
         return v1.Trajectory(
             messages=[_message(m) for m in self.messages],
-            token_ids=self.token_ids,
-            loss_mask=self.loss_mask,
-            logprobs=self.logprobs,
+            token_ids=token_ids,
+            loss_mask=loss_mask,
+            logprobs=logprobs,
             turn_policy_versions=self.policy_versions,
             num_turns=self.num_turns,
         )

@@ -20,7 +20,7 @@ def backend_to_proto(entry: BackendEntry) -> v1.Backend:
     info = entry.backend.info
     return v1.Backend(
         id=info.id,
-        kind=v1.BACKEND_KIND_OPENAI_CHAT,
+        kind=v1.BACKEND_KIND_EMBEDDED if info.kind == "embedded" else v1.BACKEND_KIND_OPENAI_CHAT,
         base_url=info.base_url,
         model=info.model,
         max_in_flight=info.max_in_flight,
@@ -37,6 +37,8 @@ def backend_to_proto(entry: BackendEntry) -> v1.Backend:
 def backend_from_proto(backend: v1.Backend, *, timeout_s: float, max_retries: int) -> OpenAIChatBackend:
     if not BACKEND_ID.match(backend.id):
         raise InvalidArgument(f"backend.id {backend.id[:80]!r} is invalid: use 1-64 characters of A-Z a-z 0-9 . _ : -")
+    if backend.kind == v1.BACKEND_KIND_EMBEDDED:
+        raise InvalidArgument("backend.kind BACKEND_KIND_EMBEDDED is the server's own model; it cannot be added")
     if backend.kind != v1.BACKEND_KIND_OPENAI_CHAT:
         raise InvalidArgument(
             f"backend.kind {v1.BackendKind.Name(backend.kind)} is not supported; use BACKEND_KIND_OPENAI_CHAT"
@@ -81,6 +83,21 @@ class AdminServicer(v1.AdminServiceServicer):
     ) -> v1.ListBackendsResponse:
         return v1.ListBackendsResponse(backends=[backend_to_proto(e) for e in self._manager.pool.entries()])
 
+    async def Pause(  # noqa: N802
+        self, request: v1.PauseRequest, context: grpc.aio.ServicerContext
+    ) -> v1.PauseResponse:
+        pool = self._manager.pool
+        aborted = pool.pause(abort_in_flight=request.abort_in_flight)
+        return v1.PauseResponse(aborted=aborted, policy_version=pool.policy_version)
+
+    async def Resume(  # noqa: N802
+        self, request: v1.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> v1.ResumeResponse:
+        version = request.policy_version if request.HasField("policy_version") else None
+        if version is not None and version < 0:
+            raise InvalidArgument(f"policy_version must not be negative, got {version}")
+        return v1.ResumeResponse(policy_version=self._manager.pool.resume(version))
+
     async def GetStats(  # noqa: N802
         self, request: v1.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> v1.GetStatsResponse:
@@ -108,4 +125,6 @@ class AdminServicer(v1.AdminServiceServicer):
             ],
             jobs=[v1.JobStatusCount(status=status, count=count) for status, count in sorted(by_status.items())],
             backends=[backend_to_proto(e) for e in manager.pool.entries()],
+            policy_version=manager.pool.policy_version,
+            paused=manager.pool.paused,
         )

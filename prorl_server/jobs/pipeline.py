@@ -9,7 +9,6 @@ way: sandboxes removed, a result built from the trajectory so far, a
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +24,7 @@ from prorl_server.agents.recorder import TrajectoryRecorder, duration
 from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.record import JobRecord
 from prorl_server.llm.router import BackendPool
+from prorl_server.llm.session import LLMSession
 from prorl_server.sandbox.base import Sandbox, SandboxSpec
 from prorl_server.sandbox.podman import LABEL_JOB
 from prorl_server.sandbox.pool import SandboxPools
@@ -55,7 +55,7 @@ class Pipeline:
         self._sandboxes = sandboxes
         self._pool = pool
 
-    def _context(self, job: JobRecord) -> RolloutContext:
+    def _context(self, job: JobRecord, session: LLMSession) -> RolloutContext:
         plan = job.plan
 
         async def open_sandbox(image: str | None) -> Sandbox:
@@ -73,13 +73,14 @@ class Pipeline:
             instance=plan.instance,
             limits=plan.limits,
             sampling=plan.sampling,
-            chat=functools.partial(self._pool.chat, job.job_id),
+            chat=session.chat,
             sandbox_factory=open_sandbox,
             recorder=TrajectoryRecorder(job.events.append),
         )
 
     async def execute(self, job: JobRecord) -> None:
-        ctx = self._context(job)
+        session = LLMSession(job.job_id, self._pool)
+        ctx = self._context(job, session)
         handler = job.plan.handler
         outcome = _Outcome()
         phases: list[tuple[v1.Phase, Callable[[RolloutContext], Awaitable[Any]], Callable[..., FailureInfo]]] = [
@@ -138,11 +139,11 @@ class Pipeline:
             outcome.failure = v1.Failure(
                 phase=job.phase, reason="cancelled", message=job.cancel_reason or "the job was cancelled"
             )
-            await self._finish(job, ctx, outcome)
+            await self._finish(job, ctx, session, outcome)
             raise
-        await self._finish(job, ctx, outcome)
+        await self._finish(job, ctx, session, outcome)
 
-    async def _finish(self, job: JobRecord, ctx: RolloutContext, outcome: _Outcome) -> None:
+    async def _finish(self, job: JobRecord, ctx: RolloutContext, session: LLMSession, outcome: _Outcome) -> None:
         try:
             await asyncio.shield(ctx.close_sandboxes())
         except Exception as exc:  # the job's outcome stands; the leftover is reaped by label
@@ -157,7 +158,7 @@ class Pipeline:
             status=outcome.status,
             failure=outcome.failure,
             reward=outcome.evaluation.reward if outcome.evaluation else 0.0,
-            trajectory=recorder.to_proto(),
+            trajectory=recorder.to_proto(session.token_trajectory()),
             timing=v1.Timing(
                 queue=duration(outcome.queue_s),
                 init=duration(outcome.phase_s[v1.PHASE_INIT]),

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prorl_server.llm.chat_template import ChatTokenizer
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -41,6 +43,8 @@ class ChatResult:
     backend_id: str = ""
     latency_s: float = 0.0
     policy_version: int = 0
+    switched_from_backend: str = ""
+    """Set when this turn went to another backend than the job's previous turn."""
 
 
 @dataclass
@@ -56,17 +60,46 @@ class BackendInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class ChatBackend(abc.ABC):
-    info: BackendInfo
+@dataclass(frozen=True)
+class Generation:
+    """What a token backend sampled for one prompt."""
 
-    @abc.abstractmethod
-    async def chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
-    ) -> ChatResult:
-        """One completion. Raises LLMError on a failure that is not the policy's."""
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    prompt_tokens: int
+    latency_s: float
+
+
+class LLMBackend(abc.ABC):
+    """Any inference backend in the pool."""
+
+    info: BackendInfo
 
     @abc.abstractmethod
     async def check_health(self) -> bool: ...
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+class TokenBackend(LLMBackend):
+    """Token ids in, sampled token ids and their log-probs out."""
+
+    @property
+    @abc.abstractmethod
+    def tokenizer(self) -> ChatTokenizer: ...
+
+    @abc.abstractmethod
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Generation:
+        """Raises LLMError on a failure that is not the policy's."""
+
+
+class ChatBackend(LLMBackend):
+    """Messages in, text and tool calls out (OpenAI chat API)."""
+
+    @abc.abstractmethod
+    async def chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
+    ) -> ChatResult:
+        """One completion. Raises LLMError on a failure that is not the policy's."""

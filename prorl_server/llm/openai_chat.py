@@ -1,8 +1,8 @@
 """Any OpenAI-compatible /v1/chat/completions endpoint, over aiohttp.
 
 Text in, text and tool calls out. Retries (tenacity) only what may succeed on
-a second try: connection errors and 5xx answers. A 4xx is the request's fault
-and fails at once.
+a second try: connection errors, 5xx answers and 429 (rate limited). Any
+other 4xx is the request's fault and fails at once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prorl_server.llm.base import ApiToolCall, BackendInfo, ChatBackend, ChatRes
 
 
 class _Retryable(Exception):
-    """A transient failure: connection refused or reset, or a 5xx."""
+    """A transient failure: connection refused or reset, a 5xx or a 429."""
 
 
 class OpenAIChatBackend(ChatBackend):
@@ -71,7 +71,7 @@ class OpenAIChatBackend(ChatBackend):
         url = f"{self.info.base_url}/chat/completions"
         try:
             async with self.session.post(url, json=payload) as response:
-                if response.status >= 500:
+                if response.status >= 500 or response.status == 429:
                     raise _Retryable(f"HTTP {response.status}: {(await response.text())[:300]}")
                 if response.status >= 400:
                     raise LLMError(

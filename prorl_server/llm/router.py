@@ -2,27 +2,30 @@
 
 A new trajectory goes to the healthy backend with the fewest requests in
 flight (live load, not jobs ever assigned); its later turns stick to the same
-backend while it stays healthy, to reuse its prefix cache.
+backend while it stays healthy, to reuse its prefix cache. A health check
+evicts backends that stop answering and readmits them when they answer again.
+Pause/Resume bracket a weight update: while paused no request starts; Resume
+bumps the policy version that every model turn records.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 
 from prorl_server.errors import AlreadyExists, FailedPrecondition, LLMError, NotFound
-from prorl_server.llm.base import ChatBackend, ChatResult, Sampling
+from prorl_server.llm.base import LLMBackend
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass
 class BackendEntry:
-    backend: ChatBackend
+    backend: LLMBackend
     managed: bool = False
     in_flight: int = 0
     requests_total: int = 0
@@ -31,18 +34,31 @@ class BackendEntry:
     removed: bool = False
 
     @property
+    def id(self) -> str:
+        return self.backend.info.id
+
+    @property
     def has_capacity(self) -> bool:
         cap = self.backend.info.max_in_flight
         return cap <= 0 or self.in_flight < cap
 
 
 class BackendPool:
-    def __init__(self) -> None:
+    def __init__(self, *, health_interval_s: float = 10.0) -> None:
         self._entries: dict[str, BackendEntry] = {}
         self._sticky: dict[str, str] = {}
-        self._capacity_freed = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._in_flight_tasks: set[asyncio.Task[object]] = set()
+        self._aborted: set[asyncio.Task[object]] = set()
+        self.policy_version = 0
+        self._health_interval_s = health_interval_s
+        self._health_task: asyncio.Task[None] | None = None
 
-    def add(self, backend: ChatBackend, *, managed: bool = False) -> BackendEntry:
+    # --- membership ------------------------------------------------------------
+
+    def add(self, backend: LLMBackend, *, managed: bool = False) -> BackendEntry:
         backend_id = backend.info.id
         if backend_id in self._entries:
             raise AlreadyExists(f"backend {backend_id!r} already exists; remove it first to replace it")
@@ -60,7 +76,6 @@ class BackendPool:
             raise FailedPrecondition(f"backend {backend_id!r} is the server's embedded model and cannot be removed")
         del self._entries[backend_id]
         entry.removed = True
-        self._sticky = {job: bid for job, bid in self._sticky.items() if bid != backend_id}
         if entry.in_flight == 0:
             await entry.backend.close()
         log.info("backend_removed", backend=backend_id)
@@ -68,64 +83,125 @@ class BackendPool:
     def entries(self) -> list[BackendEntry]:
         return list(self._entries.values())
 
-    def get(self, backend_id: str) -> BackendEntry:
-        entry = self._entries.get(backend_id)
-        if entry is None:
-            raise NotFound(f"no backend with id {backend_id!r}")
-        return entry
-
     def forget(self, job_id: str) -> None:
         """The job has finished: drop its stickiness."""
         self._sticky.pop(job_id, None)
 
+    # --- choosing --------------------------------------------------------------
+
     def _wake(self) -> None:
-        self._capacity_freed.set()
-        self._capacity_freed = asyncio.Event()
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def _choose(self, job_id: str) -> BackendEntry | None:
         sticky = self._entries.get(self._sticky.get(job_id, ""))
         if sticky is not None and sticky.healthy and sticky.has_capacity:
             return sticky
+        if sticky is not None and sticky.healthy:
+            return None  # wait for the job's own backend rather than lose its prefix cache
         candidates = [e for e in self._entries.values() if e.healthy and e.has_capacity]
         if not candidates:
             return None
         return min(candidates, key=lambda e: e.in_flight)
 
-    async def _acquire(self, job_id: str) -> BackendEntry:
+    @contextlib.asynccontextmanager
+    async def lease(self, job_id: str) -> AsyncIterator[BackendEntry]:
+        """A backend for one request of `job_id`, counted in flight while held."""
         while True:
+            await self._resumed.wait()
             if not self._entries:
                 raise LLMError("no LLM backend is configured: add one with AdminService.AddBackend")
+            if not any(e.healthy for e in self._entries.values()):
+                raise LLMError("every LLM backend is failing its health check", reason="llm_unavailable")
             entry = self._choose(job_id)
             if entry is not None:
-                self._sticky[job_id] = entry.backend.info.id
-                entry.in_flight += 1
-                entry.requests_total += 1
-                return entry
-            await self._capacity_freed.wait()
-
-    async def _release(self, entry: BackendEntry) -> None:
-        entry.in_flight -= 1
-        self._wake()
-        if entry.removed and entry.in_flight == 0:
-            await entry.backend.close()
-
-    async def chat(
-        self,
-        job_id: str,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]],
-        sampling: Sampling,
-    ) -> ChatResult:
-        entry = await self._acquire(job_id)
+                break
+            await self._changed.wait()
+        self._sticky[job_id] = entry.id
+        entry.in_flight += 1
+        entry.requests_total += 1
         try:
-            return await entry.backend.chat(messages, tools, sampling)
+            yield entry
         except LLMError:
             entry.errors_total += 1
             raise
         finally:
-            await asyncio.shield(self._release(entry))
+            entry.in_flight -= 1
+            self._wake()
+            if entry.removed and entry.in_flight == 0:
+                await asyncio.shield(entry.backend.close())
+
+    # --- pause / resume around a weight update -------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    def track(self, task: asyncio.Task[object]) -> None:
+        self._in_flight_tasks.add(task)
+        task.add_done_callback(self._in_flight_tasks.discard)
+
+    def was_aborted(self, task: asyncio.Task[object]) -> bool:
+        """True once for a request that Pause(abort) cancelled: retry it after Resume."""
+        if task in self._aborted:
+            self._aborted.discard(task)
+            return True
+        return False
+
+    def pause(self, *, abort_in_flight: bool) -> int:
+        """Stop new requests. Returns the number of in-flight requests aborted."""
+        self._resumed.clear()
+        aborted = 0
+        if abort_in_flight:
+            for task in list(self._in_flight_tasks):
+                if not task.done():
+                    self._aborted.add(task)
+                    task.cancel()
+                    aborted += 1
+        log.info("generation_paused", aborted=aborted, policy_version=self.policy_version)
+        return aborted
+
+    def resume(self, policy_version: int | None = None) -> int:
+        if policy_version is None:
+            policy_version = self.policy_version + 1
+        if policy_version < self.policy_version:
+            raise FailedPrecondition(
+                f"policy version {policy_version} is older than the current {self.policy_version}; versions only grow"
+            )
+        self.policy_version = policy_version
+        self._resumed.set()
+        self._wake()
+        log.info("generation_resumed", policy_version=policy_version)
+        return policy_version
+
+    # --- health ----------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._health_interval_s > 0:
+            self._health_task = asyncio.create_task(self._health_loop(), name="backend-health")
+
+    async def check_health(self) -> None:
+        """Evict backends that fail their check; readmit those that pass again."""
+        entries = list(self._entries.values())
+        results = await asyncio.gather(*(e.backend.check_health() for e in entries), return_exceptions=True)
+        for entry, ok in zip(entries, results, strict=True):
+            healthy = ok is True
+            if healthy != entry.healthy:
+                log.warning("backend_health_changed", backend=entry.id, healthy=healthy)
+                entry.healthy = healthy
+                self._wake()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            await self.check_health()
 
     async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        self._resumed.set()
         for entry in list(self._entries.values()):
             await entry.backend.close()
         self._entries.clear()

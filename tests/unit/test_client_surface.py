@@ -33,4 +33,6 @@ def test_rpc_names_follow_the_contract() -> None:
         "Rollout", "RolloutStream", "Submit", "Watch", "GetJob", "ListJobs", "Cancel",
     ]  # fmt: skip
     admin = admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"]
-    assert [m.name for m in admin.methods] == ["AddBackend", "RemoveBackend", "ListBackends", "GetStats"]
+    assert [m.name for m in admin.methods] == [
+        "AddBackend", "RemoveBackend", "ListBackends", "GetStats", "Pause", "Resume",
+    ]  # fmt: skip

@@ -169,6 +169,17 @@ class Client:
         response = await _unary(self._admin.ListBackends(v1.ListBackendsRequest(), metadata=self._metadata))
         return list(response.backends)
 
+    async def pause(self, *, abort_in_flight: bool = False) -> v1.PauseResponse:
+        """Stop new generation before a weight update (see AdminService.Pause)."""
+        request = v1.PauseRequest(abort_in_flight=abort_in_flight)
+        return await _unary(self._admin.Pause(request, metadata=self._metadata))
+
+    async def resume(self, *, policy_version: int | None = None) -> int:
+        """Resume generation; returns the policy version now in force."""
+        request = v1.ResumeRequest(policy_version=policy_version)
+        response: v1.ResumeResponse = await _unary(self._admin.Resume(request, metadata=self._metadata))
+        return response.policy_version
+
     async def get_stats(self) -> v1.GetStatsResponse:
         return await _unary(self._admin.GetStats(v1.GetStatsRequest(), metadata=self._metadata))
 

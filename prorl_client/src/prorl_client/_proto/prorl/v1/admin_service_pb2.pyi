@@ -13,8 +13,36 @@ class BackendKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BACKEND_KIND_UNSPECIFIED: _ClassVar[BackendKind]
     BACKEND_KIND_OPENAI_CHAT: _ClassVar[BackendKind]
+    BACKEND_KIND_EMBEDDED: _ClassVar[BackendKind]
 BACKEND_KIND_UNSPECIFIED: BackendKind
 BACKEND_KIND_OPENAI_CHAT: BackendKind
+BACKEND_KIND_EMBEDDED: BackendKind
+
+class PauseRequest(_message.Message):
+    __slots__ = ("abort_in_flight",)
+    ABORT_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    abort_in_flight: bool
+    def __init__(self, abort_in_flight: _Optional[bool] = ...) -> None: ...
+
+class PauseResponse(_message.Message):
+    __slots__ = ("aborted", "policy_version")
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    policy_version: int
+    def __init__(self, aborted: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("policy_version",)
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("policy_version",)
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
 
 class Backend(_message.Message):
     __slots__ = ("id", "kind", "base_url", "model", "max_in_flight", "api_key", "state")
@@ -105,18 +133,22 @@ class JobStatusCount(_message.Message):
     def __init__(self, status: _Optional[_Union[_rollout_pb2.JobStatus, str]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("phases", "sandboxes_busy", "jobs", "backends", "pools")
+    __slots__ = ("phases", "sandboxes_busy", "jobs", "backends", "pools", "policy_version", "paused")
     PHASES_FIELD_NUMBER: _ClassVar[int]
     SANDBOXES_BUSY_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
     phases: _containers.RepeatedCompositeFieldContainer[PhaseStats]
     sandboxes_busy: int
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatusCount]
     backends: _containers.RepeatedCompositeFieldContainer[Backend]
     pools: _containers.RepeatedCompositeFieldContainer[SandboxPoolStats]
-    def __init__(self, phases: _Optional[_Iterable[_Union[PhaseStats, _Mapping]]] = ..., sandboxes_busy: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatusCount, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[SandboxPoolStats, _Mapping]]] = ...) -> None: ...
+    policy_version: int
+    paused: bool
+    def __init__(self, phases: _Optional[_Iterable[_Union[PhaseStats, _Mapping]]] = ..., sandboxes_busy: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatusCount, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[SandboxPoolStats, _Mapping]]] = ..., policy_version: _Optional[int] = ..., paused: _Optional[bool] = ...) -> None: ...
 
 class SandboxPoolStats(_message.Message):
     __slots__ = ("image", "cpus", "memory_mib", "pids_limit", "warm", "busy", "target")

@@ -56,6 +56,16 @@ class AdminServiceStub:
                 request_serializer=prorl_dot_v1_dot_admin__service__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=prorl_dot_v1_dot_admin__service__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/prorl.v1.AdminService/Pause',
+                request_serializer=prorl_dot_v1_dot_admin__service__pb2.PauseRequest.SerializeToString,
+                response_deserializer=prorl_dot_v1_dot_admin__service__pb2.PauseResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/prorl.v1.AdminService/Resume',
+                request_serializer=prorl_dot_v1_dot_admin__service__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=prorl_dot_v1_dot_admin__service__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -89,6 +99,22 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pause(self, request, context):
+        """Stops new generation requests before a weight update. In-flight requests
+        finish, or with abort_in_flight are cancelled and sent again after Resume.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Resumes generation under a new policy version (default: current + 1);
+        every model turn records the version that produced it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +137,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=prorl_dot_v1_dot_admin__service__pb2.GetStatsRequest.FromString,
                     response_serializer=prorl_dot_v1_dot_admin__service__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=prorl_dot_v1_dot_admin__service__pb2.PauseRequest.FromString,
+                    response_serializer=prorl_dot_v1_dot_admin__service__pb2.PauseResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=prorl_dot_v1_dot_admin__service__pb2.ResumeRequest.FromString,
+                    response_serializer=prorl_dot_v1_dot_admin__service__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +258,60 @@ class AdminService:
             '/prorl.v1.AdminService/GetStats',
             prorl_dot_v1_dot_admin__service__pb2.GetStatsRequest.SerializeToString,
             prorl_dot_v1_dot_admin__service__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prorl.v1.AdminService/Pause',
+            prorl_dot_v1_dot_admin__service__pb2.PauseRequest.SerializeToString,
+            prorl_dot_v1_dot_admin__service__pb2.PauseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prorl.v1.AdminService/Resume',
+            prorl_dot_v1_dot_admin__service__pb2.ResumeRequest.SerializeToString,
+            prorl_dot_v1_dot_admin__service__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -275,7 +275,7 @@ class PhaseStarted(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., queue_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ModelTurn(_message.Message):
-    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version")
+    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version", "switched_from_backend")
     TURN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class ModelTurn(_message.Message):
     BACKEND_ID_FIELD_NUMBER: _ClassVar[int]
     LATENCY_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SWITCHED_FROM_BACKEND_FIELD_NUMBER: _ClassVar[int]
     turn: int
     prompt_token_count: int
     completion_token_count: int
@@ -296,7 +297,8 @@ class ModelTurn(_message.Message):
     backend_id: str
     latency: _duration_pb2.Duration
     policy_version: int
-    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    switched_from_backend: str
+    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ..., switched_from_backend: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("turn", "call")
