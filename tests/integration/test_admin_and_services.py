@@ -15,7 +15,7 @@ from prorl_server.app import ProrlServer
 from prorl_server.llm.scripted import ScriptedReply, tool_call_text
 from prorl_server.sandbox.podman import LABEL_MANAGED, LABEL_SERVER
 from tests.conftest import make_settings
-from tests.helpers import math_request
+from tests.helpers import assert_eventually, math_request
 
 pytestmark = pytest.mark.podman
 
@@ -112,3 +112,31 @@ async def test_start_and_stop_remove_only_this_servers_containers(scripted_llm, 
         with PodmanClient(base_url=podman_url) as podman:
             assert foreign.id in {c.id for c in podman.containers.list(all=True)}
             podman.containers.remove(foreign.id, force=True)
+
+
+async def test_pause_and_resume_stamp_turns_with_the_policy_version(scripted_llm, start_server) -> None:
+    llm = await scripted_llm(finish_at_once)
+    _, client = await start_server(llm.base_url)
+    before = [e async for e in client.rollout(math_request("What is 6 * 7?", "42", job_id="v0"))]
+    assert before[-1].finished.result.trajectory.turn_policy_versions == [0]
+
+    paused = await client.pause()
+    assert paused.policy_version == 0 and (await client.get_stats()).paused
+    await client.submit(math_request("What is 6 * 7?", "42", job_id="v1"))
+
+    async def waiting_for_resume() -> bool:
+        job = await client.get_job("v1")
+        return job.phase == v1.PHASE_RUN
+
+    await assert_eventually(waiting_for_resume)
+    assert len(llm.requests) == 1  # nothing was generated while paused
+    assert await client.resume() == 1
+    after = [e async for e in client.watch("v1")]
+    turn = next(e.model_turn for e in after if e.HasField("model_turn"))
+    assert turn.policy_version == 1
+    assert after[-1].finished.result.trajectory.turn_policy_versions == [1]
+    stats = await client.get_stats()
+    assert stats.policy_version == 1 and not stats.paused
+    with pytest.raises(RpcError) as error:
+        await client.resume(policy_version=0)
+    assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION

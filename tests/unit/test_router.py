@@ -1,0 +1,186 @@
+"""The backend pool: live-load choice, stickiness, health, removal, pause/resume, caps."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from prorl_server.errors import LLMError
+from prorl_server.llm.base import BackendInfo, ChatBackend, ChatResult, Sampling
+from prorl_server.llm.router import BackendPool
+from prorl_server.llm.session import LLMSession
+
+SAMPLING = Sampling(max_tokens=8, temperature=0.0)
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+class FakeBackend(ChatBackend):
+    """A chat backend whose replies wait for the test to release them."""
+
+    def __init__(self, backend_id: str, *, max_in_flight: int = 0) -> None:
+        self.info = BackendInfo(id=backend_id, kind="fake", base_url="fake://", model="m", max_in_flight=max_in_flight)
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.calls = 0
+        self.healthy = True
+        self.closed = False
+
+    async def chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
+    ) -> ChatResult:
+        self.calls += 1
+        await self.gate.wait()
+        return ChatResult(text=f"from {self.info.id}", finish_reason="stop")
+
+    async def check_health(self) -> bool:
+        return self.healthy
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def wait_for(condition: Any) -> None:
+    async with asyncio.timeout(5):
+        while not condition():
+            await asyncio.sleep(0.001)
+
+
+async def test_new_trajectories_go_to_the_least_loaded_backend() -> None:
+    pool = BackendPool(health_interval_s=0)
+    a, b = FakeBackend("a"), FakeBackend("b")
+    pool.add(a)
+    pool.add(b)
+    a.gate.clear()
+    held = asyncio.create_task(LLMSession("job-1", pool).chat(MESSAGES, [], SAMPLING))
+    await wait_for(lambda: a.calls == 1)
+    result = await LLMSession("job-2", pool).chat(MESSAGES, [], SAMPLING)
+    assert result.backend_id == "b"
+    a.gate.set()
+    assert (await held).backend_id == "a"
+
+
+async def test_later_turns_stick_to_the_same_backend() -> None:
+    pool = BackendPool(health_interval_s=0)
+    a, b = FakeBackend("a"), FakeBackend("b")
+    pool.add(a)
+    pool.add(b)
+    session = LLMSession("job", pool)
+    first = await session.chat(MESSAGES, [], SAMPLING)
+    other = (first.backend_id == "a" and b) or a
+    other.gate.clear()  # load the other backend: stickiness must win over load anyway
+    other_task = asyncio.create_task(LLMSession("busy", pool).chat(MESSAGES, [], SAMPLING))
+    for _ in range(3):
+        again = await session.chat(MESSAGES, [], SAMPLING)
+        assert again.backend_id == first.backend_id and again.switched_from_backend == ""
+    other.gate.set()
+    await other_task
+
+
+async def test_health_check_evicts_and_readmits() -> None:
+    pool = BackendPool(health_interval_s=0)
+    a, b = FakeBackend("a"), FakeBackend("b")
+    pool.add(a)
+    pool.add(b)
+    session = LLMSession("job", pool)
+    first = await session.chat(MESSAGES, [], SAMPLING)
+    sick, other = (a, b) if first.backend_id == "a" else (b, a)
+    sick.healthy = False
+    await pool.check_health()
+    moved = await session.chat(MESSAGES, [], SAMPLING)
+    assert moved.backend_id == other.info.id
+    assert moved.switched_from_backend == sick.info.id  # noted in the job's events
+    for i in range(3):
+        assert (await LLMSession(f"new-{i}", pool).chat(MESSAGES, [], SAMPLING)).backend_id == other.info.id
+    other.healthy = False
+    await pool.check_health()
+    with pytest.raises(LLMError, match="health check"):
+        await LLMSession("none", pool).chat(MESSAGES, [], SAMPLING)
+    sick.healthy = other.healthy = True
+    await pool.check_health()
+    assert {e.id for e in pool.entries() if e.healthy} == {"a", "b"}
+
+
+async def test_removing_a_backend_mid_run_lets_its_request_finish_and_moves_the_job() -> None:
+    pool = BackendPool(health_interval_s=0)
+    a, b = FakeBackend("a"), FakeBackend("b")
+    pool.add(a)
+    session = LLMSession("job", pool)
+    a.gate.clear()
+    in_flight = asyncio.create_task(session.chat(MESSAGES, [], SAMPLING))
+    await wait_for(lambda: a.calls == 1)
+    pool.add(b)
+    await pool.remove("a")
+    assert not a.closed  # closed only once its in-flight request is done
+    a.gate.set()
+    assert (await in_flight).backend_id == "a"
+    assert a.closed
+    after = await session.chat(MESSAGES, [], SAMPLING)
+    assert after.backend_id == "b" and after.switched_from_backend == "a"
+
+
+async def test_pause_holds_new_requests_and_resume_bumps_the_policy_version() -> None:
+    pool = BackendPool(health_interval_s=0)
+    a = FakeBackend("a")
+    pool.add(a)
+    assert (await LLMSession("j0", pool).chat(MESSAGES, [], SAMPLING)).policy_version == 0
+    pool.pause(abort_in_flight=False)
+    waiting = asyncio.create_task(LLMSession("j1", pool).chat(MESSAGES, [], SAMPLING))
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and a.calls == 1
+    assert pool.resume() == 1
+    assert (await waiting).policy_version == 1
+    assert pool.resume(7) == 7
+    with pytest.raises(Exception, match="older than the current 7"):
+        pool.resume(3)
+
+
+async def test_pause_with_abort_retries_in_flight_requests_after_resume() -> None:
+    pool = BackendPool(health_interval_s=0)
+    a = FakeBackend("a")
+    pool.add(a)
+    a.gate.clear()
+    request = asyncio.create_task(LLMSession("job", pool).chat(MESSAGES, [], SAMPLING))
+    await wait_for(lambda: a.calls == 1)
+    assert pool.pause(abort_in_flight=True) == 1
+    await asyncio.sleep(0.05)
+    assert not request.done() and a.calls == 1  # aborted, waiting for Resume
+    a.gate.set()
+    pool.resume()
+    result = await request
+    assert a.calls == 2 and result.policy_version == 1
+
+
+async def test_cancelling_the_job_cancels_its_request() -> None:
+    pool = BackendPool(health_interval_s=0)
+    a = FakeBackend("a")
+    pool.add(a)
+    a.gate.clear()
+    request = asyncio.create_task(LLMSession("job", pool).chat(MESSAGES, [], SAMPLING))
+    await wait_for(lambda: a.calls == 1)
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    assert pool.entries()[0].in_flight == 0
+
+
+async def test_per_backend_cap_queues_requests() -> None:
+    pool = BackendPool(health_interval_s=0)
+    a = FakeBackend("a", max_in_flight=1)
+    pool.add(a)
+    a.gate.clear()
+    first = asyncio.create_task(LLMSession("j1", pool).chat(MESSAGES, [], SAMPLING))
+    second = asyncio.create_task(LLMSession("j2", pool).chat(MESSAGES, [], SAMPLING))
+    await wait_for(lambda: a.calls == 1)
+    await asyncio.sleep(0.05)
+    assert a.calls == 1 and pool.entries()[0].in_flight == 1
+    a.gate.set()
+    await asyncio.gather(first, second)
+    assert a.calls == 2
+
+
+async def test_no_backend_is_a_clear_error() -> None:
+    with pytest.raises(LLMError, match="AddBackend"):
+        await LLMSession("job", BackendPool(health_interval_s=0)).chat(MESSAGES, [], SAMPLING)
