@@ -12,6 +12,7 @@ from prorl_server.errors import LLMError
 from prorl_server.llm.base import BackendInfo, ChatBackend, ChatResult, Sampling
 from prorl_server.llm.router import BackendPool
 from prorl_server.llm.session import LLMSession
+from tests.helpers import assert_eventually
 
 SAMPLING = Sampling(max_tokens=8, temperature=0.0)
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -43,9 +44,7 @@ class FakeBackend(ChatBackend):
 
 
 async def wait_for(condition: Any) -> None:
-    async with asyncio.timeout(5):
-        while not condition():
-            await asyncio.sleep(0.001)
+    await assert_eventually(condition, timeout_s=5)
 
 
 async def test_new_trajectories_go_to_the_least_loaded_backend() -> None:
