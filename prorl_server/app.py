@@ -24,8 +24,8 @@ from prorl_server.api.rollout_servicer import RolloutServicer
 from prorl_server.config import Settings
 from prorl_server.jobs.manager import JobManager
 from prorl_server.llm.base import BackendInfo
+from prorl_server.llm.factory import BackendSpec, build_backend
 from prorl_server.llm.llama_cpp_backend import EMBEDDED_MODEL_NAME, LlamaCppBackend
-from prorl_server.llm.openai_chat import OpenAIChatBackend
 from prorl_server.llm.router import BackendPool
 from prorl_server.sandbox.base import SandboxSpec
 from prorl_server.sandbox.podman import LABEL_POOL, PodmanOptions, PodmanProvider
@@ -113,18 +113,8 @@ class ProrlServer:
     async def _start_backends(self) -> None:
         llm = self.settings.llm
         for configured in llm.backends:
-            info = BackendInfo(
-                id=configured.id,
-                kind=configured.kind,
-                base_url=configured.base_url,
-                model=configured.model,
-                max_in_flight=configured.max_in_flight,
-            )
-            self._pool.add(
-                OpenAIChatBackend(
-                    info, api_key=configured.api_key, timeout_s=llm.request_timeout_s, max_retries=llm.max_retries
-                )
-            )
+            spec = BackendSpec(**configured.model_dump())
+            self._pool.add(build_backend(spec, timeout_s=llm.request_timeout_s, max_retries=llm.max_retries))
         embedded = llm.embedded
         if embedded.enabled == "always" or (embedded.enabled == "auto" and not llm.backends):
             info = BackendInfo(

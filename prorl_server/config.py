@@ -111,12 +111,14 @@ class SandboxSettings(_Section):
 
 class BackendSettings(_Section):
     id: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
-    kind: Literal["openai_chat"] = "openai_chat"
+    kind: Literal["openai_chat", "vllm", "sglang"] = "openai_chat"
     base_url: str
-    """e.g. http://127.0.0.1:8000/v1"""
+    """e.g. http://127.0.0.1:8000/v1 (SGLang's native API: http://127.0.0.1:30000)"""
     model: str = ""
     api_key: str = ""
     max_in_flight: int = Field(0, ge=0)
+    tokenizer_path: str = ""
+    """vllm and sglang: a local Hugging Face tokenizer folder of the served model."""
 
     @field_validator("base_url")
     @classmethod

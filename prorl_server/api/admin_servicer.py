@@ -9,21 +9,31 @@ import grpc
 from prorl_client import v1
 from prorl_server.errors import InvalidArgument
 from prorl_server.jobs.manager import JobManager
-from prorl_server.llm.base import BackendInfo
-from prorl_server.llm.openai_chat import OpenAIChatBackend
+from prorl_server.llm.base import LLMBackend
+from prorl_server.llm.factory import BackendSpec, build_backend
 from prorl_server.llm.router import BackendEntry
 
 BACKEND_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+KIND_NAMES = {
+    "openai_chat": v1.BACKEND_KIND_OPENAI_CHAT,
+    "vllm": v1.BACKEND_KIND_VLLM,
+    "sglang": v1.BACKEND_KIND_SGLANG,
+    "embedded": v1.BACKEND_KIND_EMBEDDED,
+}
+ADDABLE_KINDS = {value: name for name, value in KIND_NAMES.items() if name != "embedded"}
 
 
 def backend_to_proto(entry: BackendEntry) -> v1.Backend:
     info = entry.backend.info
     return v1.Backend(
         id=info.id,
-        kind=v1.BACKEND_KIND_EMBEDDED if info.kind == "embedded" else v1.BACKEND_KIND_OPENAI_CHAT,
+        kind=KIND_NAMES.get(info.kind, v1.BACKEND_KIND_UNSPECIFIED),
         base_url=info.base_url,
         model=info.model,
         max_in_flight=info.max_in_flight,
+        tokenizer_path=str(info.extra.get("tokenizer_path", "")),
         state=v1.BackendState(
             healthy=entry.healthy,
             in_flight=entry.in_flight,
@@ -34,14 +44,13 @@ def backend_to_proto(entry: BackendEntry) -> v1.Backend:
     )
 
 
-def backend_from_proto(backend: v1.Backend, *, timeout_s: float, max_retries: int) -> OpenAIChatBackend:
+def backend_from_proto(backend: v1.Backend, *, timeout_s: float, max_retries: int) -> LLMBackend:
     if not BACKEND_ID.match(backend.id):
         raise InvalidArgument(f"backend.id {backend.id[:80]!r} is invalid: use 1-64 characters of A-Z a-z 0-9 . _ : -")
-    if backend.kind == v1.BACKEND_KIND_EMBEDDED:
-        raise InvalidArgument("backend.kind BACKEND_KIND_EMBEDDED is the server's own model; it cannot be added")
-    if backend.kind != v1.BACKEND_KIND_OPENAI_CHAT:
+    if backend.kind not in ADDABLE_KINDS:
         raise InvalidArgument(
-            f"backend.kind {v1.BackendKind.Name(backend.kind)} is not supported; use BACKEND_KIND_OPENAI_CHAT"
+            f"backend.kind {v1.BackendKind.Name(backend.kind)} cannot be added; use "
+            "BACKEND_KIND_OPENAI_CHAT, BACKEND_KIND_VLLM or BACKEND_KIND_SGLANG"
         )
     if not backend.base_url.startswith(("http://", "https://")):
         raise InvalidArgument(
@@ -49,14 +58,16 @@ def backend_from_proto(backend: v1.Backend, *, timeout_s: float, max_retries: in
         )
     if backend.max_in_flight < 0:
         raise InvalidArgument(f"backend.max_in_flight must not be negative, got {backend.max_in_flight}")
-    info = BackendInfo(
+    spec = BackendSpec(
         id=backend.id,
-        kind="openai_chat",
-        base_url=backend.base_url.rstrip("/"),
+        kind=ADDABLE_KINDS[backend.kind],
+        base_url=backend.base_url,
         model=backend.model,
+        api_key=backend.api_key,
         max_in_flight=backend.max_in_flight,
+        tokenizer_path=backend.tokenizer_path,
     )
-    return OpenAIChatBackend(info, api_key=backend.api_key, timeout_s=timeout_s, max_retries=max_retries)
+    return build_backend(spec, timeout_s=timeout_s, max_retries=max_retries)
 
 
 class AdminServicer(v1.AdminServiceServicer):

@@ -140,3 +140,33 @@ async def test_pause_and_resume_stamp_turns_with_the_policy_version(scripted_llm
     with pytest.raises(RpcError) as error:
         await client.resume(policy_version=0)
     assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a_vllm_backend_added_at_run_time_gives_token_trajectories(scripted_llm, start_server, tmp_path) -> None:
+    from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
+
+    folder = write_tiny_tokenizer(tmp_path / "tok")
+    replies = iter([tool_call_text("python", {"code": "print(6 * 7)"}), tool_call_text("finish", {"answer": "42"})])
+    fake = FakeVLLM(folder, lambda prompt: next(replies))
+    await fake.start()
+    try:
+        chat = await scripted_llm(finish_at_once)
+        _, client = await start_server(chat.base_url)
+        await client.remove_backend("scripted")
+        added = await client.add_backend(
+            v1.Backend(id="vllm-0", kind=v1.BACKEND_KIND_VLLM, base_url=fake.base_url, tokenizer_path=str(folder))
+        )
+        assert added.kind == v1.BACKEND_KIND_VLLM and added.tokenizer_path == str(folder)
+
+        events = [e async for e in client.rollout(math_request("What is 6 * 7?", "42"))]
+
+        result = events[-1].finished.result
+        assert result.reward == 1.0
+        trajectory = result.trajectory
+        last_prompt = fake.requests[-1]["prompt"]
+        last_turn = [e.model_turn for e in events if e.HasField("model_turn")][-1]
+        assert list(trajectory.token_ids) == last_prompt + list(last_turn.token_ids)
+        assert sum(trajectory.loss_mask) == sum(len(e.model_turn.token_ids) for e in events if e.HasField("model_turn"))
+        assert len(trajectory.logprobs) == len(trajectory.token_ids)
+    finally:
+        await fake.stop()

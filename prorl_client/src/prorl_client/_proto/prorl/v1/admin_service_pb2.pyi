@@ -13,9 +13,13 @@ class BackendKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BACKEND_KIND_UNSPECIFIED: _ClassVar[BackendKind]
     BACKEND_KIND_OPENAI_CHAT: _ClassVar[BackendKind]
+    BACKEND_KIND_VLLM: _ClassVar[BackendKind]
+    BACKEND_KIND_SGLANG: _ClassVar[BackendKind]
     BACKEND_KIND_EMBEDDED: _ClassVar[BackendKind]
 BACKEND_KIND_UNSPECIFIED: BackendKind
 BACKEND_KIND_OPENAI_CHAT: BackendKind
+BACKEND_KIND_VLLM: BackendKind
+BACKEND_KIND_SGLANG: BackendKind
 BACKEND_KIND_EMBEDDED: BackendKind
 
 class PauseRequest(_message.Message):
@@ -45,13 +49,14 @@ class ResumeResponse(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
 
 class Backend(_message.Message):
-    __slots__ = ("id", "kind", "base_url", "model", "max_in_flight", "api_key", "state")
+    __slots__ = ("id", "kind", "base_url", "model", "max_in_flight", "api_key", "tokenizer_path", "state")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     API_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: BackendKind
@@ -59,8 +64,9 @@ class Backend(_message.Message):
     model: str
     max_in_flight: int
     api_key: str
+    tokenizer_path: str
     state: BackendState
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., api_key: _Optional[str] = ..., state: _Optional[_Union[BackendState, _Mapping]] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., api_key: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., state: _Optional[_Union[BackendState, _Mapping]] = ...) -> None: ...
 
 class BackendState(_message.Message):
     __slots__ = ("healthy", "in_flight", "requests_total", "errors_total", "managed")

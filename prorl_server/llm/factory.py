@@ -1,0 +1,48 @@
+"""Builds a backend of any kind from its settings (config file or AddBackend)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prorl_server.errors import InvalidArgument
+from prorl_server.llm.base import BackendInfo, LLMBackend
+from prorl_server.llm.hf_tokenizer import HFTokenizer
+from prorl_server.llm.openai_chat import OpenAIChatBackend
+from prorl_server.llm.token_http import SGLangBackend, VLLMBackend
+
+KINDS = ("openai_chat", "vllm", "sglang")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    id: str
+    kind: str
+    base_url: str
+    model: str = ""
+    api_key: str = ""
+    max_in_flight: int = 0
+    tokenizer_path: str = ""
+
+
+def build_backend(spec: BackendSpec, *, timeout_s: float, max_retries: int) -> LLMBackend:
+    info = BackendInfo(
+        id=spec.id,
+        kind=spec.kind,
+        base_url=spec.base_url.rstrip("/"),
+        model=spec.model,
+        max_in_flight=spec.max_in_flight,
+        extra={"tokenizer_path": spec.tokenizer_path} if spec.tokenizer_path else {},
+    )
+    if spec.kind == "openai_chat":
+        return OpenAIChatBackend(info, api_key=spec.api_key, timeout_s=timeout_s, max_retries=max_retries)
+    if spec.kind in ("vllm", "sglang"):
+        if not spec.tokenizer_path:
+            raise InvalidArgument(
+                f"backend {spec.id!r} of kind {spec.kind} needs tokenizer_path: a local Hugging Face tokenizer "
+                "folder (tokenizer.json and tokenizer_config.json) of the model it serves"
+            )
+        backend_class = VLLMBackend if spec.kind == "vllm" else SGLangBackend
+        return backend_class(
+            info, HFTokenizer(spec.tokenizer_path), api_key=spec.api_key, timeout_s=timeout_s, max_retries=max_retries
+        )
+    raise InvalidArgument(f"unknown backend kind {spec.kind!r}; use one of {', '.join(KINDS)}")
