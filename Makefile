@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 PYTEST ?= $(PYTHON) -m pytest
 
-.PHONY: setup setup-host setup-python images proto proto-check lint test test-e2e test-all demo clean-containers bench bench-sandbox
+.PHONY: setup setup-host setup-python images proto proto-check lint test test-e2e test-all demo clean-containers bench bench-sandbox bench-llm
 
 setup: setup-host setup-python images
 
@@ -46,11 +46,14 @@ test-all: setup proto-check lint
 	$(PYTEST) -q
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
-bench: bench-sandbox
+bench: bench-sandbox bench-llm
 
 bench-sandbox: setup
 	$(PIP) install --quiet -e '.[bench]'
 	$(PYTHON) bench/sandbox.py
+
+bench-llm: setup
+	$(PYTHON) bench/llm.py
 
 demo: setup
 	$(PYTHON) -m prorl_server demo --out demo_trajectories.jsonl

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import default_spec, percentile, podman_provider, summary_ms
+from prorl_server.logging import configure_logging
 from prorl_server.sandbox.pool import SandboxPools
 from prorl_server.sandbox.runtime_sandbox import RuntimeSandbox
 
@@ -206,6 +207,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    configure_logging(level="warning")
     parser = argparse.ArgumentParser()
     parser.add_argument("--echo", type=int, default=1000, help="echo round trips through our runtime")
     parser.add_argument("--acquire", type=int, default=30, help="warm and cold acquisitions")

@@ -97,8 +97,8 @@ class BackendPool:
         sticky = self._entries.get(self._sticky.get(job_id, ""))
         if sticky is not None and sticky.healthy and sticky.has_capacity:
             return sticky
-        if sticky is not None and sticky.healthy:
-            return None  # wait for the job's own backend rather than lose its prefix cache
+        # The job's own backend is full (or gone): a free slot elsewhere beats
+        # waiting for its prefix cache, or the pool would idle while jobs queue.
         candidates = [e for e in self._entries.values() if e.healthy and e.has_capacity]
         if not candidates:
             return None
@@ -130,6 +130,15 @@ class BackendPool:
             self._wake()
             if entry.removed and entry.in_flight == 0:
                 await asyncio.shield(entry.backend.close())
+
+    def fail_over(self, entry: BackendEntry) -> bool:
+        """Mark a backend that stopped answering unhealthy (the health check readmits
+        it); True when another healthy backend can take the request."""
+        if entry.healthy:
+            log.warning("backend_unreachable", backend=entry.id)
+            entry.healthy = False
+            self._wake()
+        return any(e.healthy for e in self._entries.values())
 
     # --- pause / resume around a weight update -------------------------------------
 

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from prorl_server.errors import LLMError
 from prorl_server.llm.base import ChatBackend, ChatResult, Sampling, TokenBackend
 from prorl_server.llm.router import BackendEntry, BackendPool
 from prorl_server.llm.token_conversation import TokenConversation
@@ -22,7 +23,12 @@ class LLMSession:
     async def chat(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
     ) -> ChatResult:
-        """One model turn. A request aborted by Pause is sent again after Resume."""
+        """One model turn.
+
+        A request aborted by Pause is sent again after Resume. A backend that
+        stays unreachable (after its own retries) is marked unhealthy and the
+        request goes to another healthy backend, if there is one.
+        """
         while True:
             async with self._pool.lease(self.job_id) as entry:
                 version = self._pool.policy_version
@@ -33,6 +39,10 @@ class LLMSession:
                 except asyncio.CancelledError:
                     current = asyncio.current_task()
                     if self._pool.was_aborted(request) and current is not None and not current.cancelling():
+                        continue
+                    raise
+                except LLMError as exc:
+                    if exc.reason == "llm_unavailable" and self._pool.fail_over(entry):
                         continue
                     raise
             switched = self._last_backend if self._last_backend and self._last_backend != entry.id else ""

@@ -183,3 +183,27 @@ async def test_per_backend_cap_queues_requests() -> None:
 async def test_no_backend_is_a_clear_error() -> None:
     with pytest.raises(LLMError, match="AddBackend"):
         await LLMSession("job", BackendPool(health_interval_s=0)).chat(MESSAGES, [], SAMPLING)
+
+
+class DeadBackend(FakeBackend):
+    async def chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
+    ) -> ChatResult:
+        self.calls += 1
+        raise LLMError(f"backend {self.info.id} unavailable after 4 attempts: connection refused")
+
+
+async def test_a_dead_backend_is_evicted_and_the_request_moves() -> None:
+    pool = BackendPool(health_interval_s=0)
+    dead, alive = DeadBackend("dead"), FakeBackend("alive")
+    pool.add(dead)
+    session = LLMSession("job", pool)
+    pool.add(alive)
+    pool._sticky["job"] = "dead"  # the job's turns have been going to the backend that died
+    result = await session.chat(MESSAGES, [], SAMPLING)
+    assert result.backend_id == "alive" and dead.calls == 1
+    assert {e.id: e.healthy for e in pool.entries()} == {"dead": False, "alive": True}
+    alive_only = BackendPool(health_interval_s=0)
+    alive_only.add(DeadBackend("only"))
+    with pytest.raises(LLMError, match="unavailable"):
+        await LLMSession("job", alive_only).chat(MESSAGES, [], SAMPLING)
