@@ -26,6 +26,13 @@ from prorl_server.sandbox.podman import LABEL_JOB, LABEL_MANAGED, LABEL_SERVER, 
 from prorl_server.sandbox.podman_service import PodmanService
 
 SANDBOX_USER = os.environ.get("PRORL_TEST_SANDBOX_USER", "prorl")
+# Every server and provider of this test session has an instance id with this
+# prefix, so the leftover checks look at this session's containers only.
+SESSION = f"t{uuid.uuid4().hex[:6]}"
+
+
+def instance_id(kind: str) -> str:
+    return f"{SESSION}-{kind}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -37,7 +44,11 @@ async def podman_url() -> AsyncIterator[str]:
     yield service.url
     try:
         with PodmanClient(base_url=service.url) as client:
-            leftovers = client.containers.list(all=True, filters={"label": f"{LABEL_MANAGED}=1"})
+            leftovers = [
+                c
+                for c in client.containers.list(all=True, filters={"label": f"{LABEL_MANAGED}=1"})
+                if c.labels.get(LABEL_SERVER, "").startswith(SESSION)
+            ]
             names = [c.name for c in leftovers]
             for container in leftovers:
                 container.remove(force=True)
@@ -49,7 +60,7 @@ async def podman_url() -> AsyncIterator[str]:
 
 
 def leftover_cgroups() -> list[str]:
-    return [str(p) for c in ("memory", "pids", "cpu") for p in Path("/sys/fs/cgroup", c).rglob("prorl-*")]
+    return [str(p) for c in ("memory", "pids", "cpu") for p in Path("/sys/fs/cgroup", c).rglob(f"prorl-{SESSION}*")]
 
 
 def job_containers(podman_url: str, job_id: str) -> list[Any]:
@@ -81,7 +92,7 @@ def make_settings(podman_url: str, llm_url: str | None, **sections: dict[str, An
     overrides: dict[str, Any] = {
         "server": {
             "port": 0,
-            "instance_id": f"test-{uuid.uuid4().hex[:10]}",
+            "instance_id": instance_id("server"),
             "shutdown_grace_s": 0,
             "log_level": "warning",
         },
@@ -144,7 +155,7 @@ def small_spec(image: str = "localhost/prorl-python:latest", **overrides: Any) -
 @pytest_asyncio.fixture
 async def provider(podman_url: str) -> AsyncIterator[PodmanProvider]:
     """A real Podman provider of its own (unique instance id), closed after the test."""
-    instance = f"sbx-{uuid.uuid4().hex[:10]}"
+    instance = instance_id("sandbox")
     provider = PodmanProvider(url_factory=lambda: podman_url, options=podman_options(instance))
     await provider.start()
     yield provider

@@ -249,9 +249,33 @@ class PodmanProvider(SandboxProvider):
             limiter = self._limiter
             return await self.call(lambda: limiter.limits_hit(name)) if limiter else []
 
+        async def describe() -> str:
+            return await self.describe(name)
+
         return RuntimeSandbox(
-            name, client, max_output_bytes=self._options.max_output_bytes, remove=remove, limits_hit=limits_hit
+            name,
+            client,
+            max_output_bytes=self._options.max_output_bytes,
+            remove=remove,
+            limits_hit=limits_hit,
+            describe=describe,
         )
+
+    async def describe(self, name: str) -> str:
+        """The container's state and last log lines, for error messages."""
+
+        def inspect() -> str:
+            try:
+                container = self.client.containers.get(name)
+                state = container.attrs.get("State", {})
+                raw = container.logs(stdout=True, stderr=True, tail=12, stream=False)
+                logs = raw if isinstance(raw, bytes) else b"".join(raw)
+                tail = logs.decode(errors="replace").strip()[-1500:]
+                return f"status={state.get('Status')} exit={state.get('ExitCode')} oom={state.get('OOMKilled')}; {tail}"
+            except Exception as exc:  # diagnostics must never hide the original failure
+                return f"not inspectable ({exc})"
+
+        return await self.call(inspect)
 
     async def _connect_runtime(self, name: str, container: Any) -> RuntimeClient | None:
         """Wait for the runtime's socket; None when the image cannot run it."""

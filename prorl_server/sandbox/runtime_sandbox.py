@@ -26,12 +26,14 @@ class RuntimeSandbox(Sandbox):
         max_output_bytes: int,
         remove: Callable[[], Awaitable[None]],
         limits_hit: Callable[[], Awaitable[list[str]]],
+        describe: Callable[[], Awaitable[str]],
     ) -> None:
         self.id = container_id
         self._client = client
         self._max_output_bytes = max_output_bytes
         self._remove = remove
         self._limits_hit = limits_hit
+        self._describe = describe
         self._closed = False
 
     async def _call(self, op: str, timeout_s: float = 30.0, **params: Any) -> dict[str, Any]:
@@ -53,12 +55,17 @@ class RuntimeSandbox(Sandbox):
             raise
 
     async def _blame_limits(self, op: str) -> None:
-        """A lost sandbox that ran into its own limits was killed by what the agent ran."""
+        """A lost sandbox that ran into its own limits was killed by what the agent ran;
+        otherwise say what the container reported, so the failure explains itself."""
         hit = await self._limits_hit()
         if hit:
             raise SandboxLimitExceeded(
                 f"the sandbox stopped answering ({op}) after reaching its {' and '.join(hit)} limit"
             )
+        raise SandboxError(
+            f"the sandbox runtime stopped answering ({op}); container: {await self._describe()}",
+            reason="sandbox_lost",
+        )
 
     @staticmethod
     def _result(reply: dict[str, Any]) -> CommandResult:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from prorl_client import v1
+from tests.conftest import instance_id
 from tests.helpers import math_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.podman]
@@ -64,7 +65,7 @@ def test_demo_command_writes_one_line_per_rollout(tmp_path: Path) -> None:
     out = tmp_path / "trajectories.jsonl"
     completed = subprocess.run(
         [sys.executable, "-m", "prorl_server", "demo", "--limit", "2", "--max-turns", "2", "--out", str(out),
-         "--set", "server.instance_id=e2e-demo", "--log-level", "warning"],
+         "--set", f"server.instance_id={instance_id('demo')}", "--log-level", "warning"],
         capture_output=True, text=True, timeout=600, cwd="/",
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]

@@ -320,3 +320,16 @@ async def test_finished_jobs_beyond_retention_are_forgotten(scripted_llm, start_
         await client.get_job("keep-0")
     assert error.value.code == grpc.StatusCode.NOT_FOUND
     assert [(await client.get_job(f"keep-{i}")).status for i in (1, 2)] == [v1.JOB_STATUS_SUCCEEDED] * 2
+
+
+async def test_cancel_aborts_the_in_flight_llm_request(scripted_llm, start_server) -> None:
+    llm = await scripted_llm(lambda messages: ScriptedReply("thinking for a long time", delay_s=60))
+    _, client = await start_server(llm.base_url)
+    await client.submit(math_request("Think", job_id="slow-llm"))
+    await assert_eventually(lambda: llm.in_flight == 1, message="the request never reached the LLM")
+
+    job = await client.cancel("slow-llm")
+
+    assert job.status == v1.JOB_STATUS_CANCELLED
+    # The HTTP request was dropped, so the backend stopped working on it.
+    await assert_eventually(lambda: llm.in_flight == 0, timeout_s=5, message="the LLM request was not aborted")

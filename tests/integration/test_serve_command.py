@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import uuid
 from typing import Any
 
 import grpc
@@ -14,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prorl_client import Client, v1
 from prorl_server.llm.scripted import ScriptedReply, tool_call_text
-from tests.conftest import server_containers
+from tests.conftest import instance_id, server_containers
 from tests.helpers import math_request
 
 pytestmark = pytest.mark.podman
@@ -26,7 +25,7 @@ def slow_finish(messages: list[dict[str, Any]]) -> ScriptedReply:
 
 async def test_serve_then_sigterm_exits_cleanly(scripted_llm, podman_url) -> None:
     llm = await scripted_llm(slow_finish)
-    instance = f"serve-{uuid.uuid4().hex[:8]}"
+    instance = instance_id("serve")
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "prorl_server", "serve", "--port", "0",
         "--set", f"server.instance_id={instance}",

@@ -130,15 +130,18 @@ class BashSession:
         self.scratch = tempfile.mkdtemp(prefix="prorl-bash-")
 
     def start(self):
+        environment = dict(os.environ, TERM="dumb")
+        environment.pop("PROMPT_COMMAND", None)
         pid, fd = pty.fork()
-        if pid == 0:
+        if pid == 0:  # the child: become bash, and never run the runtime's code
             try:
-                os.chdir(self.workdir)
-            except OSError:
-                pass
-            os.environ["TERM"] = "dumb"
-            os.environ.pop("PROMPT_COMMAND", None)
-            os.execvp("bash", ["bash", "--noprofile", "--norc", "--noediting"])
+                try:
+                    os.chdir(self.workdir)
+                except OSError:
+                    pass
+                os.execvpe("bash", ["bash", "--noprofile", "--norc", "--noediting"], environment)
+            finally:
+                os._exit(127)
         self.pid, self.fd = pid, fd
         tty.setraw(fd)
         attrs = termios.tcgetattr(fd)
