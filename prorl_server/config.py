@@ -119,6 +119,8 @@ class BackendSettings(_Section):
     max_in_flight: int = Field(0, ge=0)
     tokenizer_path: str = ""
     """vllm and sglang: a local Hugging Face tokenizer folder of the served model."""
+    weight: float = Field(1.0, gt=0)
+    """Relative capacity: new trajectories go to the fewest requests in flight per unit of weight."""
 
     @field_validator("base_url")
     @classmethod

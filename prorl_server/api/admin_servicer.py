@@ -34,6 +34,7 @@ def backend_to_proto(entry: BackendEntry) -> v1.Backend:
         model=info.model,
         max_in_flight=info.max_in_flight,
         tokenizer_path=str(info.extra.get("tokenizer_path", "")),
+        weight=info.weight,
         state=v1.BackendState(
             healthy=entry.healthy,
             in_flight=entry.in_flight,
@@ -56,6 +57,8 @@ def backend_from_proto(backend: v1.Backend, *, timeout_s: float, max_retries: in
         raise InvalidArgument(
             f"backend.base_url must be an http(s) URL such as http://host:8000/v1, got {backend.base_url!r}"
         )
+    if backend.weight < 0:
+        raise InvalidArgument(f"backend.weight must not be negative, got {backend.weight:g}")
     if backend.max_in_flight < 0:
         raise InvalidArgument(f"backend.max_in_flight must not be negative, got {backend.max_in_flight}")
     spec = BackendSpec(
@@ -66,6 +69,7 @@ def backend_from_proto(backend: v1.Backend, *, timeout_s: float, max_retries: in
         api_key=backend.api_key,
         max_in_flight=backend.max_in_flight,
         tokenizer_path=backend.tokenizer_path,
+        weight=backend.weight or 1.0,
     )
     return build_backend(spec, timeout_s=timeout_s, max_retries=max_retries)
 

@@ -57,6 +57,7 @@ class BackendInfo:
     model: str
     max_in_flight: int = 0
     managed: bool = False
+    weight: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 

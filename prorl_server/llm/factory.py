@@ -22,6 +22,7 @@ class BackendSpec:
     api_key: str = ""
     max_in_flight: int = 0
     tokenizer_path: str = ""
+    weight: float = 1.0
 
 
 def build_backend(spec: BackendSpec, *, timeout_s: float, max_retries: int) -> LLMBackend:
@@ -31,6 +32,7 @@ def build_backend(spec: BackendSpec, *, timeout_s: float, max_retries: int) -> L
         base_url=spec.base_url.rstrip("/"),
         model=spec.model,
         max_in_flight=spec.max_in_flight,
+        weight=spec.weight,
         extra={"tokenizer_path": spec.tokenizer_path} if spec.tokenizer_path else {},
     )
     if spec.kind == "openai_chat":

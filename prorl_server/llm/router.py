@@ -1,7 +1,7 @@
 """The pool of inference backends and the choice of one per request.
 
 A new trajectory goes to the healthy backend with the fewest requests in
-flight (live load, not jobs ever assigned); its later turns stick to the same
+flight per unit of weight (live load, not jobs ever assigned); its later turns stick to the same
 backend while it stays healthy, to reuse its prefix cache. A health check
 evicts backends that stop answering and readmits them when they answer again.
 Pause/Resume bracket a weight update: while paused no request starts; Resume
@@ -102,7 +102,7 @@ class BackendPool:
         candidates = [e for e in self._entries.values() if e.healthy and e.has_capacity]
         if not candidates:
             return None
-        return min(candidates, key=lambda e: e.in_flight)
+        return min(candidates, key=lambda e: e.in_flight / e.backend.info.weight)
 
     @contextlib.asynccontextmanager
     async def lease(self, job_id: str) -> AsyncIterator[BackendEntry]:

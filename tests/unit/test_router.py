@@ -207,3 +207,19 @@ async def test_a_dead_backend_is_evicted_and_the_request_moves() -> None:
     alive_only.add(DeadBackend("only"))
     with pytest.raises(LLMError, match="unavailable"):
         await LLMSession("job", alive_only).chat(MESSAGES, [], SAMPLING)
+
+
+async def test_weights_share_new_trajectories_by_capacity() -> None:
+    pool = BackendPool(health_interval_s=0)
+    big, small = FakeBackend("big"), FakeBackend("small")
+    big.info.weight = 3.0
+    pool.add(big)
+    pool.add(small)
+    big.gate.clear()
+    small.gate.clear()
+    held = [asyncio.create_task(LLMSession(f"j{i}", pool).chat(MESSAGES, [], SAMPLING)) for i in range(8)]
+    await wait_for(lambda: big.calls + small.calls == 8)
+    assert (big.calls, small.calls) == (6, 2)
+    big.gate.set()
+    small.gate.set()
+    await asyncio.gather(*held)

@@ -49,7 +49,7 @@ class ResumeResponse(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
 
 class Backend(_message.Message):
-    __slots__ = ("id", "kind", "base_url", "model", "max_in_flight", "api_key", "tokenizer_path", "state")
+    __slots__ = ("id", "kind", "base_url", "model", "max_in_flight", "api_key", "tokenizer_path", "weight", "state")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class Backend(_message.Message):
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     API_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: BackendKind
@@ -65,8 +66,9 @@ class Backend(_message.Message):
     max_in_flight: int
     api_key: str
     tokenizer_path: str
+    weight: float
     state: BackendState
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., api_key: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., state: _Optional[_Union[BackendState, _Mapping]] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., api_key: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., weight: _Optional[float] = ..., state: _Optional[_Union[BackendState, _Mapping]] = ...) -> None: ...
 
 class BackendState(_message.Message):
     __slots__ = ("healthy", "in_flight", "requests_total", "errors_total", "managed")
