@@ -719,8 +719,8 @@ def serve(socket_path, workdir):
     old_umask = os.umask(0o077)
     server.bind(socket_path + ".tmp")
     os.umask(old_umask)
-    os.rename(socket_path + ".tmp", socket_path)  # appears only once it accepts
     server.listen(64)
+    os.rename(socket_path + ".tmp", socket_path)  # the path appears only once it accepts
     fcntl.fcntl(server.fileno(), fcntl.F_SETFD, fcntl.FD_CLOEXEC)
     while True:
         conn, _ = server.accept()
