@@ -35,11 +35,11 @@ lint:
 
 # Fast: unit tests and the Podman integration tests (scripted fake LLM).
 test:
-	$(PYTEST) -m "not e2e" -q
+	$(PYTEST) -m "not e2e and not slow" -q
 
-# Slow: end to end with the real embedded model.
+# Slow: end to end with the real embedded model, and the long integration runs.
 test-e2e:
-	$(PYTEST) -m e2e -q
+	$(PYTEST) -m "e2e or slow" -q
 
 # Everything CI runs: set-up, generated-code check, lint, every test.
 test-all: setup proto-check lint

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from prorl_server.agents.base import AgentHandler
+from prorl_server.agents.code import CodeHandler
 from prorl_server.agents.math import MathHandler
+from prorl_server.agents.stem import StemHandler
 from prorl_server.errors import InvalidArgument
 
 
@@ -32,4 +34,4 @@ class HandlerRegistry:
 
 
 def default_registry() -> HandlerRegistry:
-    return HandlerRegistry([MathHandler()])
+    return HandlerRegistry([MathHandler(), StemHandler(), CodeHandler()])

@@ -1,0 +1,1 @@
+"""Loaders that turn task data shipped in PyPI packages into `prorl run` task lines."""
