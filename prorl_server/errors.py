@@ -15,7 +15,8 @@ one place, so a client never sees a traceback.
         LLMError             failure of kind INFRASTRUCTURE)
       PolicyError            the agent itself broke its rollout (a job failure
         SandboxLimitExceeded of kind POLICY), e.g. a fork bomb or memory hog
-                             that killed its own sandbox
+        ContextLengthExceeded that killed its own sandbox; a conversation too
+                             long for the model (the loop stops there)
 """
 
 from __future__ import annotations
@@ -79,3 +80,9 @@ class PolicyError(ProrlError):
 
 class SandboxLimitExceeded(PolicyError):
     reason = "sandbox_limit"
+
+
+class ContextLengthExceeded(PolicyError):
+    """The conversation no longer fits the model's context: the agent loop stops."""
+
+    reason = "context_length"

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from prorl_server.agents.base import RolloutContext
 from prorl_server.agents.tool_calls import FORMAT_HINT, ParsedCall, from_api, from_text
 from prorl_server.agents.tools import Tool, ToolOutput
+from prorl_server.errors import ContextLengthExceeded
 
 
 @dataclass(frozen=True)
 class LoopOutcome:
     stop_reason: str
-    """"finish" (the agent called finish) or "max_turns"."""
+    """"finish" (the agent called finish), "max_turns", or "context_length" (the
+    conversation outgrew the model's context: a policy outcome, evaluated as usual)."""
 
 
 def describe_tools(tools: Sequence[Tool]) -> str:
@@ -63,7 +65,10 @@ async def run_tool_loop(
     recorder.add_message({"role": "system", "content": system_prompt})
     recorder.add_message({"role": "user", "content": user_prompt})
     for turn in range(ctx.limits.max_turns):
-        result = await ctx.chat(list(recorder.messages), schemas, ctx.sampling)
+        try:
+            result = await ctx.chat(list(recorder.messages), schemas, ctx.sampling)
+        except ContextLengthExceeded:
+            return LoopOutcome("context_length")
         recorder.model_turn(turn, result)
         calls = from_api(result.tool_calls) if result.tool_calls else from_text(result.text, id_prefix=f"t{turn}")
         assistant: dict[str, object] = {"role": "assistant", "content": result.text}

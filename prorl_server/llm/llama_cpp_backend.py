@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from prorl_server.errors import LLMError
+from prorl_server.errors import ContextLengthExceeded, LLMError
 from prorl_server.llm.base import BackendInfo, Generation, Sampling, TokenBackend
 from prorl_server.llm.chat_template import ChatTokenizer
 
@@ -138,7 +138,9 @@ class LlamaCppBackend(TokenBackend):
 
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Generation:
         if len(prompt_ids) >= self._context_length:
-            return Generation((), (), "length", len(prompt_ids), 0.0)
+            raise ContextLengthExceeded(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self._context_length}"
+            )
         cancelled = threading.Event()
         loop = asyncio.get_running_loop()
         started = time.perf_counter()

@@ -14,8 +14,9 @@ from typing import Any
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from prorl_server.errors import LLMError
+from prorl_server.errors import ContextLengthExceeded, LLMError
 from prorl_server.llm.base import ApiToolCall, BackendInfo, ChatBackend, ChatResult, Sampling
+from prorl_server.llm.base import about_context_length as _about_context_length
 
 
 class _Retryable(Exception):
@@ -71,12 +72,14 @@ class OpenAIChatBackend(ChatBackend):
         url = f"{self.info.base_url}/chat/completions"
         try:
             async with self.session.post(url, json=payload) as response:
-                if response.status >= 500 or response.status == 429:
-                    raise _Retryable(f"HTTP {response.status}: {(await response.text())[:300]}")
                 if response.status >= 400:
+                    text = await response.text()
+                    if response.status >= 500 or response.status == 429:
+                        raise _Retryable(f"HTTP {response.status}: {text[:300]}")
+                    if response.status == 400 and _about_context_length(text):
+                        raise ContextLengthExceeded(f"backend {self.info.id}: {text[:300]}")
                     raise LLMError(
-                        f"backend {self.info.id} refused the request: HTTP {response.status}: "
-                        f"{(await response.text())[:300]}",
+                        f"backend {self.info.id} refused the request: HTTP {response.status}: {text[:300]}",
                         reason="llm_bad_request",
                     )
                 body: dict[str, Any] = await response.json(content_type=None)

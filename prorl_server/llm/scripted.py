@@ -24,6 +24,8 @@ class ScriptedReply:
     finish_reason: str = "stop"
     delay_s: float = 0.0
     status: int = 200
+    error_message: str = "scripted failure"
+    """The error body's message when status is not 200."""
 
 
 Script = Callable[[list[dict[str, Any]]], ScriptedReply]
@@ -87,7 +89,7 @@ class ScriptedLLMServer:
         finally:
             self.in_flight -= 1
         if reply.status != 200:
-            return web.json_response({"error": {"message": "scripted failure"}}, status=reply.status)
+            return web.json_response({"error": {"message": reply.error_message}}, status=reply.status)
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls

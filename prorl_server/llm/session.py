@@ -73,7 +73,8 @@ class LLMSession:
             return await backend.chat(messages, tools, sampling)
         assert isinstance(backend, TokenBackend)
         if self._conversation is None:
-            self._conversation = TokenConversation(backend.tokenizer)
+            # Templates with tool support render the tools themselves (others ignore them).
+            self._conversation = TokenConversation(backend.tokenizer, tools or None)
         conversation = self._conversation
         prompt = conversation.prompt(messages)
         generation = await backend.generate(prompt, sampling)

@@ -24,8 +24,9 @@ from typing import Any
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from prorl_server.errors import LLMError
+from prorl_server.errors import ContextLengthExceeded, LLMError
 from prorl_server.llm.base import BackendInfo, Generation, Sampling, TokenBackend
+from prorl_server.llm.base import about_context_length as _about_context_length
 from prorl_server.llm.chat_template import ChatTokenizer
 
 
@@ -68,6 +69,8 @@ class HTTPTokenBackend(TokenBackend):
                 body = await response.text()
                 if response.status >= 500 or response.status == 429:
                     raise TransientError(f"HTTP {response.status}: {body[:300]}")
+                if response.status == 400 and _about_context_length(body):
+                    raise ContextLengthExceeded(f"backend {self.info.id}: {body[:300]}")
                 if response.status >= 400:
                     raise LLMError(
                         f"backend {self.info.id} refused the request: HTTP {response.status}: {body[:300]}",

@@ -73,3 +73,63 @@ def test_demo_command_writes_one_line_per_rollout(tmp_path: Path) -> None:
     assert sorted(line["task_id"] for line in lines) == ["add-1", "mul-1"]
     assert all(line["status"] == "JOB_STATUS_SUCCEEDED" and line["messages"] for line in lines)
     assert "rollouts 2/2" in completed.stderr
+
+
+async def test_prorl_run_over_a_mixed_dataset(start_server, tmp_path: Path) -> None:
+    """Math, STEM and code tasks, 2 samples each, on the real model; a rerun does no work."""
+    import asyncio
+
+    server, client = await start_server(None)
+    lines = [
+        {"id": "m1", "handler": "math", "instance": {"question": "What is 3 + 4?", "answer": "7"}},
+        {
+            "id": "s1",
+            "handler": "stem",
+            "instance": {"question": "H2O is?", "choices": ["water", "salt"], "answer": "A"},
+        },
+        {
+            "id": "c1",
+            "handler": "code",
+            "instance": {
+                "prompt": 'def double(x):\n    """Return 2 * x."""\n',
+                "entry_point": "double",
+                "test": "def check(f):\n    assert f(2) == 4\n",
+            },
+        },
+        {
+            "id": "c2",
+            "handler": "code",
+            "instance": {"problem": "Print the input back.", "tests": [{"input": "hi\n", "output": "hi\n"}]},
+        },
+    ]
+    for line in lines:
+        line["limits"] = {"max_turns": 2}
+        line["sampling"] = {"max_tokens": 64}
+    tasks = tmp_path / "mixed.jsonl"
+    tasks.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "results.jsonl"
+
+    async def prorl_run() -> str:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "prorl_client.runner", "run", str(tasks), "--out", str(out),
+            "--server", server.address, "--samples", "2",
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, stderr = await process.communicate()
+        assert process.returncode == 0, stderr.decode()[-2000:]
+        return stderr.decode()
+
+    await prorl_run()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["task_id"], r["sample"]) for r in records) == sorted(
+        (line["id"], sample) for line in lines for sample in (0, 1)
+    )
+    assert all(r["status"] == "JOB_STATUS_SUCCEEDED" and r["token_ids"] for r in records)
+    assert all(len(r["token_ids"]) == len(r["loss_mask"]) == len(r["logprobs"]) for r in records)
+    jobs_before = len((await client.list_jobs(page_size=1000)).jobs)
+
+    stderr = await prorl_run()
+
+    assert len(out.read_text().splitlines()) == 8
+    assert len((await client.list_jobs(page_size=1000)).jobs) == jobs_before  # no new job
+    assert "0 rollouts written" in stderr

@@ -333,3 +333,19 @@ async def test_cancel_aborts_the_in_flight_llm_request(scripted_llm, start_serve
     assert job.status == v1.JOB_STATUS_CANCELLED
     # The HTTP request was dropped, so the backend stopped working on it.
     await assert_eventually(lambda: llm.in_flight == 0, timeout_s=5, message="the LLM request was not aborted")
+
+
+async def test_outgrowing_the_context_stops_the_loop_as_a_policy_outcome(scripted_llm, start_server) -> None:
+    def script(messages: list[dict[str, Any]]) -> ScriptedReply:
+        if turn_index(messages) == 0:
+            return ScriptedReply(tool_call_text("bash", {"command": "echo a long observation"}))
+        message = "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens."
+        return ScriptedReply(status=400, error_message=message)
+
+    llm = await scripted_llm(script)
+    _, client = await start_server(llm.base_url)
+    events = [e async for e in client.rollout(math_request("q", "1"))]
+    result = events[-1].finished.result
+    assert result.status == v1.JOB_STATUS_SUCCEEDED  # evaluated as usual: no answer, reward 0
+    assert result.reward == 0.0 and result.details["stop_reason"] == "context_length"
+    assert len(llm.requests) == 2  # a 400 is not retried

@@ -116,3 +116,27 @@ def test_token_backends_need_a_tokenizer(tmp_path: Path) -> None:
             timeout_s=1,
             max_retries=0,
         )
+
+
+async def test_tools_reach_a_chat_template_that_renders_them(tmp_path: Path) -> None:
+    import json
+
+    folder = write_tiny_tokenizer(tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+        "<|im_end|>\n{% endif %}" + config["chat_template"]
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    fake = FakeVLLM(folder, lambda prompt: "done")
+    await fake.start()
+    backend = build_backend(
+        BackendSpec(id="v", kind="vllm", base_url=fake.base_url, tokenizer_path=str(folder)), timeout_s=5, max_retries=0
+    )
+    pool = BackendPool(health_interval_s=0)
+    pool.add(backend)
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {}}}]
+    await LLMSession("job", pool).chat([{"role": "user", "content": "hi"}], tools, SAMPLING)
+    assert backend.tokenizer.decode(fake.requests[0]["prompt"]).startswith("<|im_start|>system\nTOOLS: bash")
+    await pool.close()
+    await fake.stop()
