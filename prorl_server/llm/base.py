@@ -9,14 +9,6 @@ from typing import Any
 
 from prorl_server.llm.chat_template import ChatTokenizer
 
-CONTEXT_LENGTH_HINTS = ("maximum context length", "context length", "context window", "too long", "max_model_len")
-
-
-def about_context_length(error_text: str) -> bool:
-    """Whether a backend's 400 says the prompt does not fit its context (vLLM, SGLang, OpenAI wording)."""
-    lowered = error_text.lower()
-    return any(hint in lowered for hint in CONTEXT_LENGTH_HINTS)
-
 
 @dataclass(frozen=True)
 class Sampling:

@@ -1,8 +1,7 @@
 """Any OpenAI-compatible /v1/chat/completions endpoint, over aiohttp.
 
-Text in, text and tool calls out. Retries (tenacity) only what may succeed on
-a second try: connection errors, 5xx answers and 429 (rate limited). Any
-other 4xx is the request's fault and fails at once.
+Text in, text and tool calls out (no token ids: use a token backend for RL).
+Retries and error mapping: see http_client.py.
 """
 
 from __future__ import annotations
@@ -11,16 +10,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
-
-from prorl_server.errors import ContextLengthExceeded, LLMError
+from prorl_server.errors import LLMError
 from prorl_server.llm.base import ApiToolCall, BackendInfo, ChatBackend, ChatResult, Sampling
-from prorl_server.llm.base import about_context_length as _about_context_length
-
-
-class _Retryable(Exception):
-    """A transient failure: connection refused or reset, a 5xx or a 429."""
+from prorl_server.llm.http_client import HTTPClient
 
 
 class OpenAIChatBackend(ChatBackend):
@@ -31,23 +23,15 @@ class OpenAIChatBackend(ChatBackend):
         api_key: str = "",
         timeout_s: float = 600.0,
         max_retries: int = 3,
-        send_tools: bool = True,
+        send_tools: bool = False,
     ) -> None:
         self.info = info
-        self._api_key = api_key
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._max_retries = max_retries
+        self._http = HTTPClient(
+            backend_id=info.id, base_url=info.base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries
+        )
+        # Off by default: servers such as vLLM refuse `tools` unless started with a
+        # tool parser. The loop describes the tools in the system prompt anyway.
         self._send_tools = send_tools
-        self._session: aiohttp.ClientSession | None = None
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers())
-        return self._session
 
     def _payload(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
@@ -68,41 +52,11 @@ class OpenAIChatBackend(ChatBackend):
             payload["tools"] = list(tools)
         return payload
 
-    async def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
-        url = f"{self.info.base_url}/chat/completions"
-        try:
-            async with self.session.post(url, json=payload) as response:
-                if response.status >= 400:
-                    text = await response.text()
-                    if response.status >= 500 or response.status == 429:
-                        raise _Retryable(f"HTTP {response.status}: {text[:300]}")
-                    if response.status == 400 and _about_context_length(text):
-                        raise ContextLengthExceeded(f"backend {self.info.id}: {text[:300]}")
-                    raise LLMError(
-                        f"backend {self.info.id} refused the request: HTTP {response.status}: {text[:300]}",
-                        reason="llm_bad_request",
-                    )
-                body: dict[str, Any] = await response.json(content_type=None)
-                return body
-        except (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError, ConnectionError) as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-
     async def chat(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
     ) -> ChatResult:
-        payload = self._payload(messages, tools, sampling)
         started = time.perf_counter()
-        try:
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception(lambda exc: isinstance(exc, _Retryable)),
-                stop=stop_after_attempt(self._max_retries + 1),
-                wait=wait_exponential(multiplier=0.2, max=5),
-                reraise=True,
-            ):
-                with attempt:
-                    body = await self._post(payload)
-        except _Retryable as exc:
-            raise LLMError(f"backend {self.info.id} unavailable after {self._max_retries + 1} attempts: {exc}") from exc
+        body = await self._http.post("/chat/completions", self._payload(messages, tools, sampling))
         return self._parse(body, time.perf_counter() - started)
 
     def _parse(self, body: dict[str, Any], latency_s: float) -> ChatResult:
@@ -134,15 +88,7 @@ class OpenAIChatBackend(ChatBackend):
             ) from exc
 
     async def check_health(self) -> bool:
-        try:
-            async with self.session.get(
-                f"{self.info.base_url}/models", timeout=aiohttp.ClientTimeout(total=5)
-            ) as response:
-                return response.status < 500
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+        return await self._http.healthy("/models")
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._http.close()

@@ -10,32 +10,25 @@ with `input_ids`, `sampling_params` and `return_logprob: true`; the sampled
 ids and log-probs come back in `meta_info.output_token_logprobs` as
 [logprob, token_id, text] triples.
 
-Both retry (tenacity) only connection errors, 5xx and 429. The model's
-tokenizer and chat template come from a local Hugging Face tokenizer folder.
+Retries and error mapping: see http_client.py. The model's tokenizer and chat
+template come from a local Hugging Face tokenizer folder.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
-
-from prorl_server.errors import ContextLengthExceeded, LLMError
+from prorl_server.errors import LLMError
 from prorl_server.llm.base import BackendInfo, Generation, Sampling, TokenBackend
-from prorl_server.llm.base import about_context_length as _about_context_length
 from prorl_server.llm.chat_template import ChatTokenizer
-
-
-class TransientError(Exception):
-    """Worth another try: connection refused or reset, a 5xx, a 429."""
+from prorl_server.llm.http_client import HTTPClient
 
 
 class HTTPTokenBackend(TokenBackend):
     path = ""
+    health_path = "/models"
 
     def __init__(
         self,
@@ -48,56 +41,17 @@ class HTTPTokenBackend(TokenBackend):
     ) -> None:
         self.info = info
         self._tokenizer = tokenizer
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._max_retries = max_retries
-        self._session: aiohttp.ClientSession | None = None
+        self._http = HTTPClient(
+            backend_id=info.id, base_url=info.base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries
+        )
 
     @property
     def tokenizer(self) -> ChatTokenizer:
         return self._tokenizer
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
-        return self._session
-
-    async def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
-        try:
-            async with self.session.post(f"{self.info.base_url}{self.path}", json=payload) as response:
-                body = await response.text()
-                if response.status >= 500 or response.status == 429:
-                    raise TransientError(f"HTTP {response.status}: {body[:300]}")
-                if response.status == 400 and _about_context_length(body):
-                    raise ContextLengthExceeded(f"backend {self.info.id}: {body[:300]}")
-                if response.status >= 400:
-                    raise LLMError(
-                        f"backend {self.info.id} refused the request: HTTP {response.status}: {body[:300]}",
-                        reason="llm_bad_request",
-                    )
-                result: dict[str, Any] = json.loads(body)
-                return result
-        except (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError, ConnectionError) as exc:
-            raise TransientError(f"{type(exc).__name__}: {exc}") from exc
-
-    async def _post_with_retries(self, payload: dict[str, Any]) -> dict[str, Any]:
-        try:
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(TransientError),
-                stop=stop_after_attempt(self._max_retries + 1),
-                wait=wait_exponential(multiplier=0.2, max=5),
-                reraise=True,
-            ):
-                with attempt:
-                    return await self._post(payload)
-        except TransientError as exc:
-            raise LLMError(f"backend {self.info.id} unavailable after {self._max_retries + 1} attempts: {exc}") from exc
-        raise AssertionError("unreachable")
-
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Generation:
         started = time.perf_counter()
-        body = await self._post_with_retries(self.payload(list(prompt_ids), sampling))
+        body = await self._http.post(self.path, self.payload(list(prompt_ids), sampling))
         try:
             ids, logprobs, finish = self.parse(body)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -114,20 +68,10 @@ class HTTPTokenBackend(TokenBackend):
         raise NotImplementedError
 
     async def check_health(self) -> bool:
-        try:
-            async with self.session.get(
-                f"{self.info.base_url}{self.health_path}", timeout=aiohttp.ClientTimeout(total=5)
-            ) as response:
-                return response.status < 400
-        except (aiohttp.ClientError, TimeoutError):
-            return False
-
-    health_path = "/models"
+        return await self._http.healthy(self.health_path)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._http.close()
 
 
 class VLLMBackend(HTTPTokenBackend):
