@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prorl_server.agents.base import AgentHandler, EvalOutcome, RolloutContext
-from prorl_server.agents.loop import describe_tools, run_tool_loop
-from prorl_server.agents.tools import BashTool, FinishTool, PythonTool, Tool
+from prorl_server.agents.base import EvalOutcome, RolloutContext
+from prorl_server.agents.loop import ToolLoopHandler
+from prorl_server.agents.tools import BashTool, FinishTool, PythonTool
 from prorl_server.errors import InvalidArgument
 from prorl_server.verifiers.code import function_program, run_function_tests, run_stdio_tests
 
@@ -32,11 +32,10 @@ PROGRAM_TASK = "Write a Python 3 program that reads standard input and writes st
 DEFAULT_EVAL_TIMEOUT_S = 30.0
 
 
-class CodeHandler(AgentHandler):
+class CodeHandler(ToolLoopHandler):
     name = "code"
-
-    def __init__(self) -> None:
-        self.tools: list[Tool] = [PythonTool(), BashTool(), FinishTool()]
+    system_prompt = SYSTEM_PROMPT
+    tools = (PythonTool(), BashTool(), FinishTool())
 
     @staticmethod
     def style(instance: dict[str, Any]) -> str:
@@ -69,23 +68,10 @@ class CodeHandler(AgentHandler):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 600:
             raise InvalidArgument("code instance field 'eval_timeout_s' must be a number in (0, 600]")
 
-    async def init(self, ctx: RolloutContext) -> None:
-        await ctx.open_sandbox()
-
-    async def run(self, ctx: RolloutContext) -> None:
-        instance = ctx.instance
-        task = (
-            FUNCTION_TASK.format(prompt=instance["prompt"])
-            if self.style(instance) == "function"
-            else PROGRAM_TASK.format(problem=instance["problem"])
-        )
-        outcome = await run_tool_loop(
-            ctx,
-            system_prompt=SYSTEM_PROMPT.format(tools=describe_tools(self.tools)),
-            user_prompt=task,
-            tools=self.tools,
-        )
-        ctx.state["stop_reason"] = outcome.stop_reason
+    def user_prompt(self, instance: dict[str, Any]) -> str:
+        if self.style(instance) == "function":
+            return FUNCTION_TASK.format(prompt=instance["prompt"])
+        return PROGRAM_TASK.format(problem=instance["problem"])
 
     async def evaluate(self, ctx: RolloutContext) -> EvalOutcome:
         instance = ctx.instance

@@ -6,8 +6,9 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from prorl_server.agents.base import RolloutContext
+from prorl_server.agents.base import AgentHandler, RolloutContext
 from prorl_server.agents.tool_calls import FORMAT_HINT, ParsedCall, from_api, from_text
 from prorl_server.agents.tools import Tool, ToolOutput
 from prorl_server.errors import ContextLengthExceeded
@@ -92,3 +93,29 @@ async def run_tool_loop(
             if ctx.state.get("finished"):
                 return LoopOutcome("finish")
     return LoopOutcome("max_turns")
+
+
+class ToolLoopHandler(AgentHandler):
+    """A family whose agent is the shared tool loop in one sandbox.
+
+    Subclasses give `tools`, `system_prompt` (with a `{tools}` placeholder),
+    `user_prompt(instance)`, `validate` and `evaluate`.
+    """
+
+    system_prompt: str = "{tools}"
+    tools: Sequence[Tool] = ()
+
+    def user_prompt(self, instance: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+    async def init(self, ctx: RolloutContext) -> None:
+        await ctx.open_sandbox()
+
+    async def run(self, ctx: RolloutContext) -> None:
+        outcome = await run_tool_loop(
+            ctx,
+            system_prompt=self.system_prompt.format(tools=describe_tools(self.tools)),
+            user_prompt=self.user_prompt(ctx.instance),
+            tools=self.tools,
+        )
+        ctx.state["stop_reason"] = outcome.stop_reason

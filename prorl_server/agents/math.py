@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prorl_server.agents.base import AgentHandler, EvalOutcome, RolloutContext
-from prorl_server.agents.loop import describe_tools, run_tool_loop
-from prorl_server.agents.tools import BashTool, FinishTool, PythonTool, Tool
+from prorl_server.agents.base import EvalOutcome, RolloutContext
+from prorl_server.agents.loop import ToolLoopHandler
+from prorl_server.agents.tools import BashTool, FinishTool, PythonTool
 from prorl_server.errors import InvalidArgument
 from prorl_server.verifiers.math import verify_math_answer
 
@@ -24,11 +24,10 @@ When you know the answer, call finish:
 <tool_call>{{"name": "finish", "arguments": {{"answer": "42"}}}}</tool_call>"""
 
 
-class MathHandler(AgentHandler):
+class MathHandler(ToolLoopHandler):
     name = "math"
-
-    def __init__(self) -> None:
-        self.tools: list[Tool] = [PythonTool(), BashTool(), FinishTool()]
+    system_prompt = SYSTEM_PROMPT
+    tools = (PythonTool(), BashTool(), FinishTool())
 
     def validate(self, instance: dict[str, Any]) -> None:
         question = instance.get("question")
@@ -38,17 +37,8 @@ class MathHandler(AgentHandler):
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
             raise InvalidArgument("math instance needs a field 'answer' (the ground truth, text or number)")
 
-    async def init(self, ctx: RolloutContext) -> None:
-        await ctx.open_sandbox()
-
-    async def run(self, ctx: RolloutContext) -> None:
-        outcome = await run_tool_loop(
-            ctx,
-            system_prompt=SYSTEM_PROMPT.format(tools=describe_tools(self.tools)),
-            user_prompt=str(ctx.instance["question"]),
-            tools=self.tools,
-        )
-        ctx.state["stop_reason"] = outcome.stop_reason
+    def user_prompt(self, instance: dict[str, Any]) -> str:
+        return str(instance["question"])
 
     async def evaluate(self, ctx: RolloutContext) -> EvalOutcome:
         gold = _as_text(ctx.instance["answer"])

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prorl_server.agents.base import AgentHandler, EvalOutcome, RolloutContext
-from prorl_server.agents.loop import describe_tools, run_tool_loop
-from prorl_server.agents.tools import FinishTool, PythonTool, Tool
+from prorl_server.agents.base import EvalOutcome, RolloutContext
+from prorl_server.agents.loop import ToolLoopHandler
+from prorl_server.agents.tools import FinishTool, PythonTool
 from prorl_server.errors import InvalidArgument
 from prorl_server.verifiers.stem import verify_stem
 
@@ -27,11 +27,10 @@ When you know the answer, call finish with it (for multiple choice, the letter):
 <tool_call>{{"name": "finish", "arguments": {{"answer": "B"}}}}</tool_call>"""
 
 
-class StemHandler(AgentHandler):
+class StemHandler(ToolLoopHandler):
     name = "stem"
-
-    def __init__(self) -> None:
-        self.tools: list[Tool] = [PythonTool(), FinishTool()]
+    system_prompt = SYSTEM_PROMPT
+    tools = (PythonTool(), FinishTool())
 
     def validate(self, instance: dict[str, Any]) -> None:
         if not isinstance(instance.get("question"), str) or not instance["question"].strip():
@@ -45,24 +44,12 @@ class StemHandler(AgentHandler):
         ):
             raise InvalidArgument("stem instance field 'choices' must be a list of at least 2 strings")
 
-    def prompt(self, instance: dict[str, Any]) -> str:
+    def user_prompt(self, instance: dict[str, Any]) -> str:
         choices = instance.get("choices")
         if not choices:
             return str(instance["question"])
         lettered = "\n".join(f"{chr(ord('A') + i)}. {choice}" for i, choice in enumerate(choices))
         return f"{instance['question']}\n\n{lettered}"
-
-    async def init(self, ctx: RolloutContext) -> None:
-        await ctx.open_sandbox()
-
-    async def run(self, ctx: RolloutContext) -> None:
-        outcome = await run_tool_loop(
-            ctx,
-            system_prompt=SYSTEM_PROMPT.format(tools=describe_tools(self.tools)),
-            user_prompt=self.prompt(ctx.instance),
-            tools=self.tools,
-        )
-        ctx.state["stop_reason"] = outcome.stop_reason
 
     async def evaluate(self, ctx: RolloutContext) -> EvalOutcome:
         answer = ctx.state.get("answer")
