@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 PYTEST ?= $(PYTHON) -m pytest
 
-.PHONY: setup setup-host setup-python images proto proto-check lint test test-e2e test-all demo clean-containers bench bench-sandbox bench-llm
+.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-e2e test-all demo clean-containers bench bench-sandbox bench-llm
 
 setup: setup-host setup-python images
 
@@ -28,7 +28,13 @@ proto-check: proto
 	@test -z "$$(git status --porcelain -- prorl_client/src/prorl_client/_proto prorl_client/src/prorl_client/v1)" \
 	  || (echo "untracked generated files: run 'make proto' and commit" && exit 1)
 
-lint:
+# The contract's style (Buf's STANDARD rules); buf comes from the npm registry.
+BUF ?= npx --yes @bufbuild/buf@1.75.0
+
+lint-proto:
+	$(BUF) lint
+
+lint: lint-proto
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy

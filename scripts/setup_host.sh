@@ -9,6 +9,9 @@ set -euo pipefail
 SANDBOX_USER="${PRORL_SANDBOX_USER:-prorl}"
 APT_PACKAGES=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs catatonit)
 
+# npx runs buf (the contract's linter) from the npm registry.
+command -v npx >/dev/null 2>&1 || APT_PACKAGES+=(npm)
+
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
