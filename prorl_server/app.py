@@ -19,9 +19,10 @@ from grpc_reflection.v1alpha import reflection
 from prorl_client import v1
 from prorl_server.agents.registry import HandlerRegistry, default_registry
 from prorl_server.api.admin_servicer import AdminServicer
+from prorl_server.api.auth import BearerTokenInterceptor
 from prorl_server.api.errors import ErrorInterceptor
 from prorl_server.api.rollout_servicer import RolloutServicer
-from prorl_server.config import Settings
+from prorl_server.config import ConfigError, Settings
 from prorl_server.jobs.manager import JobManager
 from prorl_server.llm.base import BackendInfo
 from prorl_server.llm.factory import BackendSpec, build_backend
@@ -138,8 +139,12 @@ class ProrlServer:
 
     async def _start_grpc(self) -> None:
         assert self.manager is not None
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
+        tokens = self.settings.server.accepted_tokens()
+        if tokens:
+            interceptors.insert(0, BearerTokenInterceptor(tokens))
         server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -158,13 +163,32 @@ class ProrlServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = SERVICE_NAMES
         reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(f"{self.settings.server.host}:{self.settings.server.port}")
+        address = f"{self.settings.server.host}:{self.settings.server.port}"
+        credentials = self._tls_credentials()
+        if credentials is None:
+            self.port = server.add_insecure_port(address)
+        else:
+            self.port = server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"cannot bind {self.settings.server.host}:{self.settings.server.port}")
         await server.start()
         self._server = server
         for name in ("", *names):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def _tls_credentials(self) -> grpc.ServerCredentials | None:
+        conf = self.settings.server
+        if not conf.tls_cert_file or not conf.tls_key_file:
+            return None
+        try:
+            key = Path(conf.tls_key_file).read_bytes()
+            chain = Path(conf.tls_cert_file).read_bytes()
+            client_ca = Path(conf.tls_client_ca_file).read_bytes() if conf.tls_client_ca_file else None
+        except OSError as exc:
+            raise ConfigError(f"TLS files of setting 'server': {exc}") from None
+        return grpc.ssl_server_credentials(
+            [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+        )
 
     async def wait(self) -> None:
         if self._server is not None:

@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     except ProrlError as exc:
         print(f"prorl-server: {exc.message}", file=sys.stderr)
         return 1
+    except ConfigError as exc:
+        print(f"prorl-server: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "PRORL_"
 
@@ -40,6 +40,33 @@ class ServerSettings(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     shutdown_grace_s: float = Field(10.0, ge=0)
     """On shutdown, running jobs get this long to finish before they are cancelled."""
+    auth_tokens: list[SecretStr] = []
+    """Bearer tokens accepted (`authorization: Bearer <token>`); empty: no authentication."""
+    auth_tokens_file: str | None = None
+    """A file with one accepted token per line (added to auth_tokens)."""
+    tls_cert_file: str | None = None
+    """PEM certificate chain: serve TLS instead of plaintext (with tls_key_file)."""
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    """PEM CA bundle: require client certificates signed by it (mutual TLS)."""
+
+    def accepted_tokens(self) -> list[str]:
+        tokens = [token.get_secret_value() for token in self.auth_tokens]
+        if self.auth_tokens_file:
+            try:
+                lines = Path(self.auth_tokens_file).read_text().splitlines()
+            except OSError as exc:
+                raise ConfigError(f"setting 'server.auth_tokens_file': cannot read it ({exc})") from None
+            tokens += [line.strip() for line in lines if line.strip()]
+        return tokens
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerSettings:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file (mutual TLS is TLS)")
+        return self
 
 
 class PhaseSettings(_Section):

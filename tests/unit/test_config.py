@@ -59,3 +59,18 @@ def test_cli_exits_2_naming_the_setting(capsys: pytest.CaptureFixture[str]) -> N
 
     assert main(["serve", "--set", "sandbox.cpus=0"]) == 2
     assert "setting 'sandbox.cpus'" in capsys.readouterr().err
+
+
+def test_tls_settings_go_together(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="tls_cert_file and tls_key_file go together"):
+        load_settings(None, environ={"PRORL_SERVER__TLS_CERT_FILE": "/x.pem"})
+
+
+def test_tokens_are_secret_and_can_come_from_a_file(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("from-file\n\n")
+    settings = load_settings(
+        None, environ={"PRORL_SERVER__AUTH_TOKENS": '["inline"]', "PRORL_SERVER__AUTH_TOKENS_FILE": str(tokens)}
+    )
+    assert settings.server.accepted_tokens() == ["inline", "from-file"]
+    assert "inline" not in repr(settings) and "inline" not in str(settings.model_dump())

@@ -48,15 +48,20 @@ class Client:
         target: str,
         *,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[tuple[str, object]] = (),
     ) -> Client:
         """Open a channel to `target` ("host:port").
 
-        credentials: TLS channel credentials; None for a plaintext channel.
-        metadata: sent with every call, e.g. an authorization header.
+        credentials: TLS channel credentials (grpc.ssl_channel_credentials(...));
+            None for a plaintext channel.
+        token: a bearer token, sent as `authorization: Bearer <token>` with every call.
+        metadata: more metadata sent with every call.
         options: gRPC channel options, e.g. ("grpc.max_receive_message_length", n).
         """
+        if token:
+            metadata = (("authorization", f"Bearer {token}"), *metadata)
         opts = [("grpc.max_receive_message_length", 64 * 1024 * 1024), *options]
         if credentials is None:
             channel = grpc.aio.insecure_channel(target, options=opts)

@@ -21,12 +21,14 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+import grpc
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from prorl_client import v1
@@ -194,13 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--server", default="localhost:50051", help="host:port of the prorl server")
     run_parser.add_argument("--samples", type=int, default=1, help="rollouts per task (a GRPO group)")
     run_parser.add_argument("--handler", default="math", help="handler of lines that name none")
+    run_parser.add_argument("--token", default=os.environ.get("PRORL_TOKEN"), help="bearer token (or PRORL_TOKEN)")
+    run_parser.add_argument("--tls-ca", type=Path, help="PEM CA certificate: connect with TLS, trusting it")
     args = parser.parse_args(argv)
     if args.samples < 1:
         parser.error("--samples must be at least 1")
     tasks = load_tasks(args.tasks, args.handler)
 
     async def go() -> Progress:
-        async with Client.connect(args.server) as client:
+        credentials = grpc.ssl_channel_credentials(args.tls_ca.read_bytes()) if args.tls_ca else None
+        async with Client.connect(args.server, credentials=credentials, token=args.token) as client:
             return await run(client, tasks, args.out, samples=args.samples)
 
     progress = asyncio.run(go())
