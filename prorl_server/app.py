@@ -9,7 +9,9 @@ this server's containers -> stop the children.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -24,10 +26,12 @@ from prorl_server.api.errors import ErrorInterceptor
 from prorl_server.api.rollout_servicer import RolloutServicer
 from prorl_server.config import ConfigError, Settings
 from prorl_server.jobs.manager import JobManager
+from prorl_server.jobs.pipeline import PHASE_NAMES
 from prorl_server.llm.base import BackendInfo
 from prorl_server.llm.factory import BackendSpec, build_backend
 from prorl_server.llm.llama_cpp_backend import EMBEDDED_MODEL_NAME, LlamaCppBackend
 from prorl_server.llm.router import BackendPool
+from prorl_server.metrics import Metrics, gauge
 from prorl_server.sandbox.base import SandboxSpec
 from prorl_server.sandbox.podman import LABEL_POOL, PodmanOptions, PodmanProvider
 from prorl_server.sandbox.podman_service import PodmanService
@@ -50,6 +54,7 @@ class ProrlServer:
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self.manager: JobManager | None = None
+        self.metrics = Metrics()
         self.port = 0
         self._stopped = False
 
@@ -92,10 +97,42 @@ class ProrlServer:
         self._sandboxes.start()
         await self._start_backends()
         self.manager = JobManager(
-            settings=settings, registry=self._registry, sandboxes=self._sandboxes, pool=self._pool
+            settings=settings,
+            registry=self._registry,
+            sandboxes=self._sandboxes,
+            pool=self._pool,
+            metrics=self.metrics,
         )
+        if settings.server.metrics_port is not None:
+            self.metrics.watch(self._live_metrics)
+            await self.metrics.serve(settings.server.host, settings.server.metrics_port)
         await self._start_grpc()
         log.info("server_started", address=self.address, instance=settings.server.instance_id)
+
+    def _live_metrics(self) -> Iterator[Any]:
+        """Gauges read at scrape time."""
+        manager, sandboxes = self.manager, self._sandboxes
+        if manager is None or sandboxes is None:
+            return
+        phases = [(PHASE_NAMES[phase], gate) for phase, gate in manager.gates.items()]
+        yield gauge(
+            "prorl_phase_queued", "Jobs waiting for a phase slot", ["phase"], [([n], g.queued) for n, g in phases]
+        )
+        yield gauge("prorl_phase_active", "Jobs in a phase", ["phase"], [([n], g.active) for n, g in phases])
+        pools = sandboxes.stats()
+        yield gauge("prorl_sandboxes_warm", "Warm sandboxes", ["image"], [([p.image], p.warm) for p in pools])
+        yield gauge("prorl_sandboxes_busy", "Sandboxes held by jobs", ["image"], [([p.image], p.busy) for p in pools])
+        entries = self._pool.entries()
+        yield gauge(
+            "prorl_backend_in_flight", "LLM requests in flight", ["backend"], [([e.id], e.in_flight) for e in entries]
+        )
+        yield gauge(
+            "prorl_backend_healthy", "1 when healthy", ["backend"], [([e.id], float(e.healthy)) for e in entries]
+        )
+        by_status = manager.stats()["by_status"]
+        assert isinstance(by_status, dict)
+        samples = [([v1.JobStatus.Name(s).removeprefix("JOB_STATUS_").lower()], c) for s, c in by_status.items()]
+        yield gauge("prorl_jobs", "Jobs known to the server, by status", ["status"], samples)
 
     def _warm_pool_specs(self) -> list[tuple[SandboxSpec, int]]:
         box = self.settings.sandbox
@@ -205,6 +242,7 @@ class ProrlServer:
             await self.manager.shutdown(grace)
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        await self.metrics.close()
         if self._sandboxes is not None:
             await self._sandboxes.close()
         if self._provider is not None:

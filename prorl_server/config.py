@@ -40,6 +40,8 @@ class ServerSettings(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     shutdown_grace_s: float = Field(10.0, ge=0)
     """On shutdown, running jobs get this long to finish before they are cancelled."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus metrics at http://host:metrics_port/metrics; None: off, 0: any free port."""
     auth_tokens: list[SecretStr] = []
     """Bearer tokens accepted (`authorization: Bearer <token>`); empty: no authentication."""
     auth_tokens_file: str | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf.duration_pb2 import Duration
 
@@ -22,9 +22,18 @@ def duration(seconds: float) -> Duration:
     return value
 
 
+class TurnObserver(Protocol):
+    """Told of every model turn and tool call (metrics)."""
+
+    def model_turn(self, backend: str, seconds: float, prompt_tokens: int, completion_tokens: int) -> None: ...
+
+    def tool_call(self, tool: str, seconds: float) -> None: ...
+
+
 class TrajectoryRecorder:
-    def __init__(self, emit: EventSink) -> None:
+    def __init__(self, emit: EventSink, observer: TurnObserver | None = None) -> None:
         self._emit = emit
+        self._observer = observer
         self.messages: list[dict[str, Any]] = []
         self.policy_versions: list[int] = []
         self.num_turns = 0
@@ -39,6 +48,10 @@ class TrajectoryRecorder:
         self.num_turns += 1
         self.llm_s += result.latency_s
         self.policy_versions.append(result.policy_version)
+        if self._observer is not None:
+            self._observer.model_turn(
+                result.backend_id, result.latency_s, result.prompt_tokens, result.completion_tokens
+            )
         self._emit(
             model_turn=v1.ModelTurn(
                 turn=turn,
@@ -65,6 +78,8 @@ class TrajectoryRecorder:
 
     def tool_result(self, turn: int, call: ParsedCall, output: ToolOutput) -> None:
         self.tools_s += output.duration_s
+        if self._observer is not None:
+            self._observer.tool_call(call.name, output.duration_s)
         if output.error:
             self.format_errors += 1
         self._emit(

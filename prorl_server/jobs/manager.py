@@ -24,6 +24,7 @@ from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
 from prorl_server.jobs.validation import check_job_id, resolve_plan
 from prorl_server.llm.router import BackendPool
+from prorl_server.metrics import Metrics
 from prorl_server.sandbox.pool import SandboxPools
 
 log = structlog.get_logger(__name__)
@@ -41,6 +42,7 @@ class JobManager:
         registry: HandlerRegistry,
         sandboxes: SandboxPools,
         pool: BackendPool,
+        metrics: Metrics | None = None,
     ) -> None:
         self._settings = settings
         self._registry = registry
@@ -52,7 +54,8 @@ class JobManager:
             v1.PHASE_RUN: PhaseGate(phases.run),
             v1.PHASE_EVAL: PhaseGate(phases.eval),
         }
-        self._pipeline = Pipeline(gates=self.gates, sandboxes=sandboxes, pool=pool)
+        self._metrics = metrics
+        self._pipeline = Pipeline(gates=self.gates, sandboxes=sandboxes, pool=pool, metrics=metrics)
         self._jobs: dict[str, JobRecord] = {}
         self._finished: collections.deque[str] = collections.deque()
         self._numbers = itertools.count(1)
@@ -98,6 +101,8 @@ class JobManager:
         )
         self._jobs[job_id] = job
         job.events.append(queued=v1.JobQueued(queue_position=self.gates[v1.PHASE_INIT].queued))
+        if self._metrics is not None:
+            self._metrics.jobs_submitted.labels(request.handler).inc()
         task = asyncio.create_task(self._run(job), name=f"job-{job_id}")
         job.task = task
         self._tasks.add(task)

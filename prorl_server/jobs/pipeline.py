@@ -25,6 +25,7 @@ from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.record import JobRecord
 from prorl_server.llm.router import BackendPool
 from prorl_server.llm.session import LLMSession
+from prorl_server.metrics import Metrics
 from prorl_server.sandbox.base import Sandbox, SandboxSpec
 from prorl_server.sandbox.podman import LABEL_JOB
 from prorl_server.sandbox.pool import SandboxPools
@@ -50,8 +51,16 @@ class _Outcome:
 
 
 class Pipeline:
-    def __init__(self, *, gates: dict[v1.Phase, PhaseGate], sandboxes: SandboxPools, pool: BackendPool) -> None:
+    def __init__(
+        self,
+        *,
+        gates: dict[v1.Phase, PhaseGate],
+        sandboxes: SandboxPools,
+        pool: BackendPool,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.gates = gates
+        self._metrics = metrics
         self._sandboxes = sandboxes
         self._pool = pool
 
@@ -75,7 +84,7 @@ class Pipeline:
             sampling=plan.sampling,
             chat=session.chat,
             sandbox_factory=open_sandbox,
-            recorder=TrajectoryRecorder(job.events.append),
+            recorder=TrajectoryRecorder(job.events.append, self._metrics),
         )
 
     async def execute(self, job: JobRecord) -> None:
@@ -95,6 +104,8 @@ class Pipeline:
                 async with self.gates[phase].slot(job.plan.priority):
                     queue_wait = time.monotonic() - waited
                     outcome.queue_s += queue_wait
+                    if self._metrics is not None:
+                        self._metrics.queue_seconds.labels(PHASE_NAMES[phase]).observe(queue_wait)
                     job.phase, job.status = phase, v1.JOB_STATUS_RUNNING
                     job.start_time = job.start_time or time.time()
                     job.events.append(phase_started=v1.PhaseStarted(phase=phase, queue_wait=duration(queue_wait)))
@@ -131,6 +142,8 @@ class Pipeline:
                         elapsed = time.monotonic() - started
                         outcome.phase_s[phase] += elapsed
                         used_s += elapsed
+                        if self._metrics is not None:
+                            self._metrics.phase_seconds.labels(PHASE_NAMES[phase]).observe(elapsed)
                 if phase == v1.PHASE_EVAL:
                     outcome.evaluation = value
                     job.events.append(evaluation=v1.Evaluation(reward=value.reward, details=to_struct(value.details)))
@@ -174,6 +187,9 @@ class Pipeline:
         job.end_time = time.time()
         job.events.append(finished=v1.JobFinished(result=result))
         job.events.close()
+        if self._metrics is not None:
+            status = v1.JobStatus.Name(outcome.status).removeprefix("JOB_STATUS_").lower()
+            self._metrics.jobs_finished.labels(job.request.handler, status).inc()
         log.info(
             "job_finished",
             status=v1.JobStatus.Name(outcome.status),

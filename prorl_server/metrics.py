@@ -1,0 +1,88 @@
+"""Prometheus metrics, served over HTTP (aiohttp) on `server.metrics_port`.
+
+Counters and histograms are fed by the job pipeline; live values (queue
+depth, sandboxes, backend load) are read at scrape time. Each server has its
+own registry, so several servers in one process never mix their figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.jobs_submitted = Counter("prorl_jobs_submitted", "Jobs accepted", ["handler"], registry=r)
+        self.jobs_finished = Counter("prorl_jobs_finished", "Jobs finished", ["handler", "status"], registry=r)
+        self.phase_seconds = Histogram(
+            "prorl_phase_seconds", "Time inside a phase", ["phase"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_seconds = Histogram(
+            "prorl_queue_wait_seconds", "Wait for a phase slot", ["phase"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.llm_requests = Counter("prorl_llm_requests", "Model turns", ["backend"], registry=r)
+        self.llm_seconds = Histogram(
+            "prorl_llm_request_seconds", "Model turn latency", ["backend"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.llm_tokens = Counter("prorl_llm_tokens", "Tokens", ["backend", "kind"], registry=r)
+        self.tool_seconds = Histogram(
+            "prorl_tool_call_seconds", "Tool call latency", ["tool"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    def watch(self, read: Callable[[], Iterator[GaugeMetricFamily]]) -> None:
+        """Register live gauges, computed by `read` at each scrape."""
+
+        class Live(Collector):
+            def collect(self) -> Iterator[GaugeMetricFamily]:
+                return read()
+
+        self.registry.register(Live())
+
+    # --- what the pipeline reports ---------------------------------------------------
+
+    def model_turn(self, backend: str, seconds: float, prompt_tokens: int, completion_tokens: int) -> None:
+        self.llm_requests.labels(backend).inc()
+        self.llm_seconds.labels(backend).observe(seconds)
+        self.llm_tokens.labels(backend, "prompt").inc(prompt_tokens)
+        self.llm_tokens.labels(backend, "completion").inc(completion_tokens)
+
+    def tool_call(self, tool: str, seconds: float) -> None:
+        self.tool_seconds.labels(tool or "unknown").observe(seconds)
+
+    # --- the endpoint ----------------------------------------------------------
+
+    async def serve(self, host: str, port: int) -> None:
+        async def scrape(request: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
+
+        app = web.Application()
+        app.router.add_get("/metrics", scrape)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+def gauge(name: str, documentation: str, labels: list[str], samples: list[tuple[list[str], float]]) -> Any:
+    family = GaugeMetricFamily(name, documentation, labels=labels)
+    for values, value in samples:
+        family.add_metric(values, value)
+    return family
