@@ -9,6 +9,7 @@ in a phase goes to that phase's hook, which classifies it.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,10 +67,13 @@ class RolloutContext:
         self.state: dict[str, Any] = {}
         self._sandbox_factory = sandbox_factory
         self._sandboxes: list[Sandbox] = []
+        self.sandbox_acquire_s = 0.0
 
     async def open_sandbox(self, image: str | None = None) -> Sandbox:
         """Start a sandbox for this job; the pipeline removes it when the job ends."""
+        started = time.perf_counter()
         sandbox = await self._sandbox_factory(image)
+        self.sandbox_acquire_s += time.perf_counter() - started
         self._sandboxes.append(sandbox)
         return sandbox
 

@@ -157,11 +157,13 @@ class Pipeline:
         await self._finish(job, ctx, session, outcome)
 
     async def _finish(self, job: JobRecord, ctx: RolloutContext, session: LLMSession, outcome: _Outcome) -> None:
+        cleanup_started = time.monotonic()
         try:
             await asyncio.shield(ctx.close_sandboxes())
         except Exception as exc:  # the job's outcome stands; the leftover is reaped by label
             log.error("sandbox_cleanup_failed", error=str(exc))
         self._pool.forget(job.job_id)
+        cleanup_s = time.monotonic() - cleanup_started
         recorder = ctx.recorder
         details: dict[str, Any] = dict(outcome.evaluation.details) if outcome.evaluation else {}
         details["format_errors"] = recorder.format_errors
@@ -179,6 +181,9 @@ class Pipeline:
                 eval=duration(outcome.phase_s[v1.PHASE_EVAL]),
                 llm=duration(recorder.llm_s),
                 tools=duration(recorder.tools_s),
+                sandbox_acquire=duration(ctx.sandbox_acquire_s),
+                total=duration(time.time() - job.create_time),
+                cleanup=duration(cleanup_s),
             ),
             details=to_struct(details),
         )

@@ -349,3 +349,29 @@ async def test_outgrowing_the_context_stops_the_loop_as_a_policy_outcome(scripte
     assert result.status == v1.JOB_STATUS_SUCCEEDED  # evaluated as usual: no answer, reward 0
     assert result.reward == 0.0 and result.details["stop_reason"] == "context_length"
     assert len(llm.requests) == 2  # a 400 is not retried
+
+
+async def test_timing_breakdown_adds_up_to_the_wall_time(scripted_llm, start_server) -> None:
+    """queue + init + run + eval + cleanup = total within 50 ms + 5%; llm, tools and sandbox fit inside."""
+
+    def script(messages: list[dict[str, Any]]) -> ScriptedReply:
+        if turn_index(messages) == 0:
+            return ScriptedReply(tool_call_text("bash", {"command": "sleep 0.3"}), delay_s=0.2)
+        return ScriptedReply(tool_call_text("finish", {"answer": "42"}), delay_s=0.1)
+
+    llm = await scripted_llm(script)
+    _, client = await start_server(llm.base_url, phases={"init": 1})
+    requests = [math_request("What is 6 * 7?", "42", job_id=f"t{i}") for i in range(3)]  # they queue for init
+    results = [i.finished.result async for i in client.rollout_many(requests) if i.HasField("finished")]
+
+    def seconds(d: Any) -> float:
+        return d.ToNanoseconds() / 1e9
+
+    for result in results:
+        t = result.timing
+        parts = seconds(t.queue) + seconds(t.init) + seconds(t.run) + seconds(t.eval) + seconds(t.cleanup)
+        assert abs(seconds(t.total) - parts) <= 0.05 + 0.05 * seconds(t.total), t
+        inside = seconds(t.init) + seconds(t.run) + seconds(t.eval)
+        assert seconds(t.llm) + seconds(t.tools) + seconds(t.sandbox_acquire) <= inside + 0.01
+        assert seconds(t.llm) >= 0.3 and seconds(t.tools) >= 0.3 and seconds(t.sandbox_acquire) > 0
+    assert max(seconds(r.timing.queue) for r in results) > 0  # the init limit of 1 made some wait

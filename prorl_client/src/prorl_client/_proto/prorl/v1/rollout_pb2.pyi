@@ -170,20 +170,26 @@ class Trajectory(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., turn_policy_versions: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue", "init", "run", "eval", "llm", "tools")
+    __slots__ = ("queue", "init", "run", "eval", "llm", "tools", "sandbox_acquire", "total", "cleanup")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     EVAL_FIELD_NUMBER: _ClassVar[int]
     LLM_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CLEANUP_FIELD_NUMBER: _ClassVar[int]
     queue: _duration_pb2.Duration
     init: _duration_pb2.Duration
     run: _duration_pb2.Duration
     eval: _duration_pb2.Duration
     llm: _duration_pb2.Duration
     tools: _duration_pb2.Duration
-    def __init__(self, queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., init: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., run: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., eval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., llm: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tools: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    sandbox_acquire: _duration_pb2.Duration
+    total: _duration_pb2.Duration
+    cleanup: _duration_pb2.Duration
+    def __init__(self, queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., init: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., run: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., eval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., llm: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tools: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., sandbox_acquire: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., total: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., cleanup: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class RolloutResult(_message.Message):
     __slots__ = ("job_id", "status", "failure", "reward", "trajectory", "timing", "details")
