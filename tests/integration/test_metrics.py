@@ -38,10 +38,10 @@ async def test_counters_match_the_jobs_run(scripted_llm, start_server) -> None:
     bad.sandbox.image = "localhost/prorl-no-such-image:latest"
     _ = [e async for e in client.rollout(bad)]
 
-    async with aiohttp.ClientSession() as session:
-        async with session.get(f"http://127.0.0.1:{server.metrics.port}/metrics") as response:
-            assert response.status == 200
-            scraped = samples(await response.text())
+    url = f"http://127.0.0.1:{server.metrics.port}/metrics"
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        assert response.status == 200
+        scraped = samples(await response.text())
 
     def value(name: str, **labels: str) -> float:
         return scraped[(name, tuple(sorted(labels.items())))]
