@@ -8,6 +8,9 @@ set -euo pipefail
 
 SANDBOX_USER="${PRORL_SANDBOX_USER:-prorl}"
 APT_PACKAGES=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs catatonit)
+# The Go and C++ example clients (examples/), built from proto/ offline.
+APT_PACKAGES+=(golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev
+               protobuf-compiler protobuf-compiler-grpc libgrpc++-dev g++ pkg-config openssl)
 
 # npx runs buf (the contract's linter) from the npm registry.
 command -v npx >/dev/null 2>&1 || APT_PACKAGES+=(npm)
