@@ -65,6 +65,8 @@ class TrajectoryRecorder:
                 latency=duration(result.latency_s),
                 policy_version=result.policy_version,
                 switched_from_backend=result.switched_from_backend,
+                prefill=duration(result.prefill_s) if result.prefill_s is not None else None,
+                decode=duration(result.decode_s) if result.decode_s is not None else None,
             )
         )
 

@@ -45,6 +45,8 @@ class ChatResult:
     policy_version: int = 0
     switched_from_backend: str = ""
     """Set when this turn went to another backend than the job's previous turn."""
+    prefill_s: float | None = None
+    decode_s: float | None = None
 
 
 @dataclass
@@ -70,6 +72,8 @@ class Generation:
     finish_reason: str
     prompt_tokens: int
     latency_s: float
+    prefill_s: float | None = None
+    decode_s: float | None = None
 
 
 class LLMBackend(abc.ABC):

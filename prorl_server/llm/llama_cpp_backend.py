@@ -146,15 +146,16 @@ class LlamaCppBackend(TokenBackend):
         started = time.perf_counter()
         future = loop.run_in_executor(self._executor, self._generate, list(prompt_ids), sampling, cancelled)
         try:
-            ids, logprobs, finish = await asyncio.shield(future)
+            ids, logprobs, finish, prefill_s, decode_s = await asyncio.shield(future)
         except asyncio.CancelledError:
             cancelled.set()  # the model thread stops at its next token
             raise
-        return Generation(tuple(ids), tuple(logprobs), finish, len(prompt_ids), time.perf_counter() - started)
+        latency = time.perf_counter() - started
+        return Generation(tuple(ids), tuple(logprobs), finish, len(prompt_ids), latency, prefill_s, decode_s)
 
     def _generate(
         self, prompt: list[int], sampling: Sampling, cancelled: threading.Event
-    ) -> tuple[list[int], list[float], str]:
+    ) -> tuple[list[int], list[float], str, float, float]:
         llama = self._llama
         ctx = llama._ctx  # the raw context: logits of the last evaluated token
         common = 0
@@ -163,7 +164,15 @@ class LlamaCppBackend(TokenBackend):
                 break
             common += 1
         llama.n_tokens = min(common, len(prompt) - 1)  # re-evaluate at least one token for fresh logits
+        started = time.perf_counter()
         llama.eval(prompt[llama.n_tokens :])
+        prefill_s = time.perf_counter() - started
+        ids, logprobs, finish = self._decode(llama, ctx, prompt, sampling, cancelled)
+        return ids, logprobs, finish, prefill_s, time.perf_counter() - started - prefill_s
+
+    def _decode(
+        self, llama: Any, ctx: Any, prompt: list[int], sampling: Sampling, cancelled: threading.Event
+    ) -> tuple[list[int], list[float], str]:
         rng = np.random.default_rng(sampling.seed)
         stop_ids = self.tokenizer.stop_ids
         vocab = llama.n_vocab()

@@ -59,6 +59,8 @@ class LLMSession:
                 latency_s=result.latency_s,
                 policy_version=version,
                 switched_from_backend=switched,
+                prefill_s=result.prefill_s,
+                decode_s=result.decode_s,
             )
 
     async def _call(
@@ -90,6 +92,8 @@ class LLMSession:
             token_ids=generation.token_ids,
             logprobs=generation.logprobs,
             latency_s=generation.latency_s,
+            prefill_s=generation.prefill_s,
+            decode_s=generation.decode_s,
         )
 
     def token_trajectory(self) -> tuple[list[int], list[int], list[float]]:

@@ -46,6 +46,10 @@ async def test_four_math_rollouts_on_the_embedded_model(start_server) -> None:
         turns = [e.model_turn for e in job_events if e.HasField("model_turn")]
         assert turns, f"{job_id} had no model turn"
         assert all(t.text and t.latency.ToNanoseconds() > 0 and t.backend_id == "embedded" for t in turns)
+        # The embedded model reports where a turn's time went: prompt evaluation, then generation.
+        for t in turns:
+            prefill, decode = t.prefill.ToNanoseconds(), t.decode.ToNanoseconds()
+            assert prefill > 0 and decode > 0 and prefill + decode <= t.latency.ToNanoseconds()
         # The result agrees with what was streamed.
         assert result.trajectory.num_turns == len(turns)
         assistant = [m.content for m in result.trajectory.messages if m.role == "assistant"]

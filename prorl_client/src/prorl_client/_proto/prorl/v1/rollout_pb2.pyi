@@ -281,7 +281,7 @@ class PhaseStarted(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., queue_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ModelTurn(_message.Message):
-    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version", "switched_from_backend")
+    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version", "switched_from_backend", "prefill", "decode")
     TURN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,8 @@ class ModelTurn(_message.Message):
     LATENCY_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SWITCHED_FROM_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     turn: int
     prompt_token_count: int
     completion_token_count: int
@@ -304,7 +306,9 @@ class ModelTurn(_message.Message):
     latency: _duration_pb2.Duration
     policy_version: int
     switched_from_backend: str
-    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ..., switched_from_backend: _Optional[str] = ...) -> None: ...
+    prefill: _duration_pb2.Duration
+    decode: _duration_pb2.Duration
+    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ..., switched_from_backend: _Optional[str] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("turn", "call")
