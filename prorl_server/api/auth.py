@@ -14,6 +14,8 @@ from typing import Any
 
 import grpc
 
+from prorl_server.api.handlers import replace_behaviour
+
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 MESSAGE = "missing or wrong bearer token: send the metadata `authorization: Bearer <token>`"
 
@@ -55,14 +57,4 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             or self._allowed(handler_call_details.invocation_metadata)
         ):
             return handler
-        codec = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_deny_unary, **codec)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_deny_unary, **codec)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_deny_stream, **codec)
-        return grpc.stream_stream_rpc_method_handler(_deny_stream, **codec)
+        return replace_behaviour(handler, lambda _: _deny_unary, lambda _: _deny_stream)

@@ -13,6 +13,7 @@ import grpc
 import structlog
 
 from prorl_server import errors
+from prorl_server.api.handlers import replace_behaviour
 
 log = structlog.get_logger(__name__)
 
@@ -78,16 +79,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        codec = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method), **codec)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, method), **codec)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, method), **codec)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, method), **codec)
-        return handler
+        return replace_behaviour(
+            handler,
+            lambda behaviour: _wrap_unary(behaviour, method),
+            lambda behaviour: _wrap_stream(behaviour, method),
+        )
