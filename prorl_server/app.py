@@ -27,6 +27,7 @@ from prorl_server.api.rollout_servicer import RolloutServicer
 from prorl_server.config import ConfigError, Settings
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.pipeline import PHASE_NAMES
+from prorl_server.jobs.store import SQLiteJobStore
 from prorl_server.llm.base import BackendInfo
 from prorl_server.llm.factory import BackendSpec, build_backend
 from prorl_server.llm.llama_cpp_backend import EMBEDDED_MODEL_NAME, LlamaCppBackend
@@ -55,6 +56,7 @@ class ProrlServer:
         self._health: health.aio.HealthServicer | None = None
         self.manager: JobManager | None = None
         self.metrics = Metrics()
+        self._store: SQLiteJobStore | None = None
         self.port = 0
         self._stopped = False
 
@@ -96,13 +98,21 @@ class ProrlServer:
         self._sandboxes = SandboxPools(self._provider, self._warm_pool_specs())
         self._sandboxes.start()
         await self._start_backends()
+        if settings.jobs.store:
+            path = settings.jobs.store_path or str(
+                Path(box.state_dir) / "jobs" / f"{settings.server.instance_id}.sqlite"
+            )
+            self._store = SQLiteJobStore(path)
+            await self._store.open()
         self.manager = JobManager(
             settings=settings,
             registry=self._registry,
             sandboxes=self._sandboxes,
             pool=self._pool,
             metrics=self.metrics,
+            store=self._store,
         )
+        await self.manager.restore()
         if settings.server.metrics_port is not None:
             self.metrics.watch(self._live_metrics)
             await self.metrics.serve(settings.server.host, settings.server.metrics_port)
@@ -243,6 +253,8 @@ class ProrlServer:
         if self._server is not None:
             await self._server.stop(grace=1.0)
         await self.metrics.close()
+        if self._store is not None:
+            await self._store.close()
         if self._sandboxes is not None:
             await self._sandboxes.close()
         if self._provider is not None:

@@ -73,7 +73,9 @@ async def _serve(settings: Settings) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        settings = _settings(args, {"server": {"port": 0}} if args.command == "demo" else {})
+        # The demo is ephemeral: no job store left behind.
+        demo = {"server": {"port": 0}, "jobs": {"store": False}}
+        settings = _settings(args, demo if args.command == "demo" else {})
     except ConfigError as exc:
         print(f"prorl-server: {exc}", file=sys.stderr)
         return 2

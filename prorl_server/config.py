@@ -91,6 +91,12 @@ class JobSettings(_Section):
     default_tool_timeout_s: float = Field(30.0, gt=0)
     max_instance_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     """Largest task instance accepted, as serialized protobuf."""
+    store: bool = True
+    """Keep jobs in a SQLite file so that they survive a restart."""
+    store_path: str | None = None
+    """The SQLite file; None: <sandbox.state_dir>/jobs/<server.instance_id>.sqlite."""
+    retain_finished_s: float = Field(7 * 24 * 3600.0, gt=0)
+    """How long the store keeps finished jobs."""
 
 
 class WarmPoolSettings(_Section):

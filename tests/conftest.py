@@ -97,6 +97,7 @@ def make_settings(podman_url: str, llm_url: str | None, **sections: dict[str, An
             "log_level": "warning",
         },
         "sandbox": {"podman_socket": podman_url, "tmp_mib": 64},
+        "jobs": {"store": False},
         "llm": {
             "backends": [{"id": "scripted", "base_url": llm_url}] if llm_url else [],
             "embedded": {"enabled": "never" if llm_url else "always"},

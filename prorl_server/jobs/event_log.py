@@ -19,6 +19,14 @@ class EventLog:
         self._changed = asyncio.Event()
         self.closed = False
 
+    @classmethod
+    def restored(cls, job_id: str, events: list[v1.RolloutEvent]) -> EventLog:
+        """A closed log holding the events of a job that finished before a restart."""
+        log = cls(job_id)
+        log._events = list(events)
+        log.closed = True
+        return log
+
     @property
     def last_seq(self) -> int:
         return len(self._events)

@@ -22,6 +22,7 @@ from prorl_server.jobs.event_log import EventLog
 from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
+from prorl_server.jobs.store import SQLiteJobStore
 from prorl_server.jobs.validation import check_job_id, resolve_plan
 from prorl_server.llm.router import BackendPool
 from prorl_server.metrics import Metrics
@@ -43,6 +44,7 @@ class JobManager:
         sandboxes: SandboxPools,
         pool: BackendPool,
         metrics: Metrics | None = None,
+        store: SQLiteJobStore | None = None,
     ) -> None:
         self._settings = settings
         self._registry = registry
@@ -55,6 +57,7 @@ class JobManager:
             v1.PHASE_EVAL: PhaseGate(phases.eval),
         }
         self._metrics = metrics
+        self._store = store
         self._pipeline = Pipeline(gates=self.gates, sandboxes=sandboxes, pool=pool, metrics=metrics)
         self._jobs: dict[str, JobRecord] = {}
         self._finished: collections.deque[str] = collections.deque()
@@ -112,9 +115,68 @@ class JobManager:
     async def _run(self, job: JobRecord) -> None:
         structlog.contextvars.bind_contextvars(job_id=job.job_id, handler=job.request.handler)
         try:
+            if self._store is not None:
+                await self._store.submitted(job.job_id, job.number, job.request, job.fingerprint, job.create_time)
             await self._pipeline.execute(job)
         finally:
+            if self._store is not None and job.result is not None:
+                await asyncio.shield(self._persist(job))
             self._retire(job)
+
+    async def _persist(self, job: JobRecord) -> None:
+        assert self._store is not None and job.result is not None
+        try:
+            await self._store.finished(
+                job.job_id, job.status, job.end_time or time.time(), job.result, job.events.events()
+            )
+        except Exception as exc:  # the job's outcome stands in memory; say why it is not durable
+            log.error("job_store_write_failed", error=str(exc))
+
+    async def restore(self) -> int:
+        """Load the store: finished jobs come back as they were; jobs that were
+        running when the server died are failed as interrupted. Returns how many."""
+        if self._store is None:
+            return 0
+        stored = await self._store.load(self._settings.jobs.retain_finished_s)
+        for item in stored:
+            job = JobRecord(
+                job_id=item.job_id,
+                number=item.number,
+                request=item.request,
+                fingerprint=item.fingerprint,
+                plan=None,
+                create_time=item.create_time,
+                events=EventLog.restored(item.job_id, item.events),
+                status=item.status,  # type: ignore[arg-type]
+                end_time=item.end_time,
+                result=item.result,
+            )
+            if item.result is None:
+                self._interrupted(job)
+                await self._persist(job)
+            self._jobs[job.job_id] = job
+            self._finished.append(job.job_id)
+        if stored:
+            self._numbers = itertools.count(max(item.number for item in stored) + 1)
+            log.info("jobs_restored", count=len(stored))
+        return len(stored)
+
+    @staticmethod
+    def _interrupted(job: JobRecord) -> None:
+        job.result = v1.RolloutResult(
+            job_id=job.job_id,
+            status=v1.JOB_STATUS_FAILED,
+            failure=v1.Failure(
+                kind=v1.FAILURE_KIND_INFRASTRUCTURE,
+                reason="interrupted",
+                message="the server stopped while the job was running; submit it again under a new job id",
+            ),
+        )
+        job.status = v1.JOB_STATUS_FAILED
+        job.end_time = time.time()
+        job.events = EventLog(job.job_id)
+        job.events.append(finished=v1.JobFinished(result=job.result))
+        job.events.close()
 
     def _retire(self, job: JobRecord) -> None:
         self._finished.append(job.job_id)

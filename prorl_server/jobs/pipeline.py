@@ -66,6 +66,7 @@ class Pipeline:
 
     def _context(self, job: JobRecord, session: LLMSession) -> RolloutContext:
         plan = job.plan
+        assert plan is not None, "a restored job never runs again"
 
         async def open_sandbox(image: str | None) -> Sandbox:
             spec = SandboxSpec(
@@ -90,7 +91,9 @@ class Pipeline:
     async def execute(self, job: JobRecord) -> None:
         session = LLMSession(job.job_id, self._pool)
         ctx = self._context(job, session)
-        handler = job.plan.handler
+        assert job.plan is not None
+        plan = job.plan
+        handler = plan.handler
         outcome = _Outcome()
         phases: list[tuple[v1.Phase, Callable[[RolloutContext], Awaitable[Any]], Callable[..., FailureInfo]]] = [
             (v1.PHASE_INIT, handler.init, handler.on_init_error),
@@ -101,7 +104,7 @@ class Pipeline:
         try:
             for phase, step, on_error in phases:
                 waited = time.monotonic()
-                async with self.gates[phase].slot(job.plan.priority):
+                async with self.gates[phase].slot(plan.priority):
                     queue_wait = time.monotonic() - waited
                     outcome.queue_s += queue_wait
                     if self._metrics is not None:
@@ -111,7 +114,7 @@ class Pipeline:
                     job.events.append(phase_started=v1.PhaseStarted(phase=phase, queue_wait=duration(queue_wait)))
                     started = time.monotonic()
                     try:
-                        async with asyncio.timeout(max(job.plan.budget_s - used_s, 0.0)) as deadline:
+                        async with asyncio.timeout(max(plan.budget_s - used_s, 0.0)) as deadline:
                             value = await step(ctx)
                     except TimeoutError:
                         if not deadline.expired():
@@ -123,8 +126,7 @@ class Pipeline:
                             kind=v1.FAILURE_KIND_POLICY if phase == v1.PHASE_RUN else v1.FAILURE_KIND_INFRASTRUCTURE,
                             phase=phase,
                             reason="budget_exceeded",
-                            message=f"the job's budget of {job.plan.budget_s:g}s ran out in the "
-                            f"{PHASE_NAMES[phase]} phase",
+                            message=f"the job's budget of {plan.budget_s:g}s ran out in the {PHASE_NAMES[phase]} phase",
                         )
                         break
                     except Exception as exc:
@@ -167,6 +169,7 @@ class Pipeline:
         recorder = ctx.recorder
         details: dict[str, Any] = dict(outcome.evaluation.details) if outcome.evaluation else {}
         details["format_errors"] = recorder.format_errors
+        assert job.plan is not None
         details = job.plan.handler.shape_result(ctx, details)
         result = v1.RolloutResult(
             job_id=job.job_id,

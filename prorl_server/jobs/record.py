@@ -49,7 +49,8 @@ class JobRecord:
     """Creation order; ListJobs pages by it."""
     request: v1.RolloutRequest
     fingerprint: bytes
-    plan: JobPlan
+    plan: JobPlan | None
+    """None for a job restored from the store (it will not run again)."""
     create_time: float
     events: EventLog
     status: v1.JobStatus = v1.JOB_STATUS_QUEUED

@@ -101,11 +101,18 @@ class PodmanProvider(SandboxProvider):
         return "cgroup-v1 (server)" if self._limiter else "podman"
 
     async def start(self) -> None:
-        self._client = PodmanClient(base_url=self._url_factory(), timeout=120)
+        url = self._url_factory()
+        self._client = PodmanClient(base_url=url, timeout=120)
         await self.call(self._stage_runtime)
         if self._options.cgroup_limits and CgroupV1Limiter.usable():
             self._limiter = CgroupV1Limiter(f"prorl-{self._options.instance_id}")
-        removed = await self.remove_ours()
+        try:
+            removed = await self.remove_ours()
+        except Exception as exc:
+            raise SandboxError(
+                f"cannot use the Podman API at {url}: {exc}. Check sandbox.podman_socket, or leave it unset "
+                "to let the server start one"
+            ) from None
         if removed:
             log.warning("removed_leftover_containers", count=removed)
 
@@ -345,6 +352,8 @@ class PodmanProvider(SandboxProvider):
             try:
                 await self.remove_ours()
                 await self.call(lambda: shutil.rmtree(self._sockets_dir, ignore_errors=True))
+            except Exception as exc:  # shutting down: report, and go on closing the rest
+                log.error("sandbox_cleanup_failed", error=str(exc))
             finally:
                 self._live.clear()
                 self._client.close()

@@ -160,7 +160,7 @@ async def test_watch_after_disconnect_resumes_exactly_once_in_order(scripted_llm
     assert kinds(rest)[-1] == "finished" and "finished" not in kinds(seen)
     assert everything[-1].finished.result.reward == 1.0
     full = await collect(client.watch("resume-1"))
-    assert [e.SerializeToString() for e in full] == [e.SerializeToString() for e in everything]
+    assert full == everything
 
 
 async def test_rollout_stream_returns_all_results_in_completion_order(scripted_llm, start_server) -> None:

@@ -32,16 +32,19 @@ async def test_serve_then_sigterm_exits_cleanly(scripted_llm, podman_url) -> Non
         "--set", f"sandbox.podman_socket={podman_url}",
         "--set", f'llm.backends=[{{"id": "scripted", "base_url": "{llm.base_url}"}}]',
         "--set", "server.shutdown_grace_s=20",
+        "--set", "jobs.store=false",
         stderr=asyncio.subprocess.PIPE,
         cwd="/",
     )  # fmt: skip
     assert process.stderr is not None
     try:
         address = ""
+        seen: list[str] = []
         async with asyncio.timeout(60):
             while not address:
                 line = (await process.stderr.readline()).decode()
-                assert line, "the server exited before listening"
+                assert line, "the server exited before listening:\n" + "".join(seen)
+                seen.append(line)
                 if line.startswith("prorl-server listening on "):
                     address = line.split()[-1]
         async with Client.connect(address) as client:

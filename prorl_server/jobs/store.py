@@ -1,0 +1,159 @@
+"""The durable job store: SQLite, embedded, one file per server.
+
+What it keeps: every job's request at submission, and at the end its status,
+result and whole event log. So after a restart GetJob, ListJobs and Watch of
+finished jobs still work, Submit of a known job id returns the stored job,
+and a job that was running when the server died is reported as failed
+(infrastructure, "interrupted"). Finished jobs are kept for
+`jobs.retain_finished_s`.
+
+sqlite3 is synchronous: every call runs in a single worker thread, never on
+the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import struct
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from prorl_client import v1
+
+T = TypeVar("T")
+FRAME = struct.Struct(">I")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    number INTEGER NOT NULL,
+    request BLOB NOT NULL,
+    fingerprint BLOB NOT NULL,
+    status INTEGER NOT NULL,
+    create_time REAL NOT NULL,
+    end_time REAL,
+    result BLOB,
+    events BLOB
+);
+CREATE INDEX IF NOT EXISTS jobs_end_time ON jobs (end_time);
+"""
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    job_id: str
+    number: int
+    request: v1.RolloutRequest
+    fingerprint: bytes
+    status: int
+    create_time: float
+    end_time: float | None
+    result: v1.RolloutResult | None
+    events: list[v1.RolloutEvent]
+
+
+def pack_events(events: Iterable[v1.RolloutEvent]) -> bytes:
+    chunks = []
+    for event in events:
+        data = event.SerializeToString()
+        chunks.append(FRAME.pack(len(data)) + data)
+    return b"".join(chunks)
+
+
+def unpack_events(blob: bytes | None) -> list[v1.RolloutEvent]:
+    events, offset = [], 0
+    while blob and offset < len(blob):
+        (size,) = FRAME.unpack_from(blob, offset)
+        offset += FRAME.size
+        events.append(v1.RolloutEvent.FromString(blob[offset : offset + size]))
+        offset += size
+    return events
+
+
+class SQLiteJobStore:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-store")
+        self._db: sqlite3.Connection | None = None
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._db.commit()
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        assert self._db is not None, "job store not opened"
+        return self._db
+
+    async def open(self) -> None:
+        await self._call(self._open)
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._call(self.db.close)
+            self._db = None
+        self._executor.shutdown(wait=True)
+
+    def _submitted(self, job_id: str, number: int, request: bytes, fingerprint: bytes, created: float) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO jobs (job_id, number, request, fingerprint, status, create_time) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (job_id, number, request, fingerprint, v1.JOB_STATUS_QUEUED, created),
+        )
+        self.db.commit()
+
+    async def submitted(
+        self, job_id: str, number: int, request: v1.RolloutRequest, fingerprint: bytes, created: float
+    ) -> None:
+        await self._call(self._submitted, job_id, number, request.SerializeToString(), fingerprint, created)
+
+    def _finished(self, job_id: str, status: int, end_time: float, result: bytes, events: bytes) -> None:
+        self.db.execute(
+            "UPDATE jobs SET status = ?, end_time = ?, result = ?, events = ? WHERE job_id = ?",
+            (status, end_time, result, events, job_id),
+        )
+        self.db.commit()
+
+    async def finished(
+        self, job_id: str, status: int, end_time: float, result: v1.RolloutResult, events: list[v1.RolloutEvent]
+    ) -> None:
+        await self._call(self._finished, job_id, status, end_time, result.SerializeToString(), pack_events(events))
+
+    def _load(self, keep_after: float) -> list[StoredJob]:
+        self.db.execute("DELETE FROM jobs WHERE end_time IS NOT NULL AND end_time < ?", (keep_after,))
+        self.db.commit()
+        rows = self.db.execute(
+            "SELECT job_id, number, request, fingerprint, status, create_time, end_time, result, events "
+            "FROM jobs ORDER BY number"
+        ).fetchall()
+        return [
+            StoredJob(
+                job_id=row[0],
+                number=row[1],
+                request=v1.RolloutRequest.FromString(row[2]),
+                fingerprint=row[3],
+                status=row[4],
+                create_time=row[5],
+                end_time=row[6],
+                result=v1.RolloutResult.FromString(row[7]) if row[7] is not None else None,
+                events=unpack_events(row[8]),
+            )
+            for row in rows
+        ]
+
+    async def load(self, retain_s: float) -> list[StoredJob]:
+        """Every job kept, oldest first; finished jobs older than `retain_s` are dropped first."""
+        result: list[StoredJob] = await self._call(self._load, time.time() - retain_s)
+        return result
