@@ -78,6 +78,7 @@ class PodmanProvider(SandboxProvider):
         self._pool = ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="podman")
         self._client: PodmanClient | None = None
         self._live: set[str] = set()
+        self._background: set[asyncio.Future[Any]] = set()
         self._exec_only_images: set[str] = set()
         self._runtime_dir = options.state_dir / "runtime"
         self._sockets_dir = options.state_dir / "sockets" / options.instance_id
@@ -225,8 +226,15 @@ class PodmanProvider(SandboxProvider):
             return container
 
         self._live.add(name)
+        creation = asyncio.ensure_future(self.call(create_and_start))
+        self._track(creation)
         try:
-            container = await self.call(create_and_start)
+            container = await asyncio.shield(creation)
+        except asyncio.CancelledError:
+            # The job was cancelled while Podman was still creating its container:
+            # remove the container once it exists, or it would outlive the job.
+            self._track(asyncio.ensure_future(self._remove_after(creation, name)))
+            raise
         except Exception as exc:
             await self._forget(name)
             message = str(exc)
@@ -314,6 +322,20 @@ class PodmanProvider(SandboxProvider):
             raise
         return client
 
+    def _track(self, future: asyncio.Future[Any]) -> None:
+        self._background.add(future)
+        future.add_done_callback(self._background.discard)
+
+    async def _remove_after(self, creation: asyncio.Future[Any], name: str) -> None:
+        with contextlib.suppress(Exception):
+            await creation
+        await self.remove(name)
+
+    async def _settle(self) -> None:
+        """Wait for container creations and removals still under way."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
     async def _forget(self, name: str) -> None:
         self._live.discard(name)
         await self.call(lambda: shutil.rmtree(self._sockets_dir / name, ignore_errors=True))
@@ -350,6 +372,7 @@ class PodmanProvider(SandboxProvider):
     async def close(self) -> None:
         if self._client is not None:
             try:
+                await self._settle()
                 await self.remove_ours()
                 await self.call(lambda: shutil.rmtree(self._sockets_dir, ignore_errors=True))
             except Exception as exc:  # shutting down: report, and go on closing the rest
