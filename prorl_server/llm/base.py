@@ -21,6 +21,17 @@ class Sampling:
     seed: int | None = None
     model: str = ""
 
+    def optional_fields(self, *, seed_key: str = "seed") -> dict[str, Any]:
+        """top_p, stop and the seed, only those that are set (backends' defaults otherwise)."""
+        fields: dict[str, Any] = {}
+        if self.top_p is not None:
+            fields["top_p"] = self.top_p
+        if self.stop:
+            fields["stop"] = list(self.stop)
+        if self.seed is not None:
+            fields[seed_key] = self.seed
+        return fields
+
 
 @dataclass(frozen=True)
 class ApiToolCall:

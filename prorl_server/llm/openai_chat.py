@@ -42,12 +42,7 @@ class OpenAIChatBackend(ChatBackend):
             "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature,
         }
-        if sampling.top_p is not None:
-            payload["top_p"] = sampling.top_p
-        if sampling.stop:
-            payload["stop"] = list(sampling.stop)
-        if sampling.seed is not None:
-            payload["seed"] = sampling.seed
+        payload.update(sampling.optional_fields())
         if tools and self._send_tools:
             payload["tools"] = list(tools)
         return payload

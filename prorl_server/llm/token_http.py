@@ -88,12 +88,7 @@ class VLLMBackend(HTTPTokenBackend):
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
         }
-        if sampling.top_p is not None:
-            payload["top_p"] = sampling.top_p
-        if sampling.stop:
-            payload["stop"] = list(sampling.stop)
-        if sampling.seed is not None:
-            payload["seed"] = sampling.seed
+        payload.update(sampling.optional_fields())
         return payload
 
     def parse(self, body: dict[str, Any]) -> tuple[list[int], list[float], str]:
@@ -112,12 +107,7 @@ class SGLangBackend(HTTPTokenBackend):
 
     def payload(self, prompt_ids: list[int], sampling: Sampling) -> dict[str, Any]:
         params: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "temperature": sampling.temperature}
-        if sampling.top_p is not None:
-            params["top_p"] = sampling.top_p
-        if sampling.stop:
-            params["stop"] = list(sampling.stop)
-        if sampling.seed is not None:
-            params["sampling_seed"] = sampling.seed
+        params.update(sampling.optional_fields(seed_key="sampling_seed"))
         return {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True}
 
     def parse(self, body: dict[str, Any]) -> tuple[list[int], list[float], str]:
