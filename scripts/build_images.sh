@@ -20,11 +20,13 @@ as_user() {
 have_image() { as_user podman image exists "$1"; }
 
 BASE=localhost/prorl-base:bookworm
+# git and pytest: the SWE images check out repositories and run their tests offline.
+BASE_PACKAGES=python3,git,python3-pytest
 if [[ "${FORCE:-0}" == 1 ]] || ! have_image "$BASE"; then
     echo "build-images: debootstrap $BASE (about a minute)"
     rootfs="$(mktemp -d /var/tmp/prorl-rootfs.XXXXXX)"
     trap 'rm -rf "$rootfs"' EXIT
-    debootstrap --variant=minbase --include=python3 bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
+    debootstrap --variant=minbase --include="$BASE_PACKAGES" bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
     tar -C "$rootfs" -c . | as_user podman import --quiet - "$BASE" >/dev/null
     rm -rf "$rootfs"
@@ -45,4 +47,23 @@ for dir in "$ROOT"/sandbox_images/*/; do
         rm -rf "$ctx"
     fi
 done
+# SWE tasks: one image per task, holding a real project's repository at the
+# task's base commit; the sources come from PyPI (pip download) on the host.
+# An image is rebuilt when its task folder changes (the digest label).
+swe() { PYTHONPATH="$ROOT" python3 -m prorl_server.datasets.swe "$@"; }
+for task in "$ROOT"/sandbox_images/swe/tasks/*/; do
+    [[ -f "$task/task.json" ]] || continue
+    tag="$(swe image "$task")"
+    digest="$(swe digest "$task")"
+    built="$(as_user podman image inspect --format '{{index .Labels "prorl.task-digest"}}' "$tag" 2>/dev/null || true)"
+    if [[ "${FORCE:-0}" == 1 || "$built" != "$digest" ]]; then
+        echo "build-images: $tag"
+        ctx="$(mktemp -d /var/tmp/prorl-ctx.XXXXXX)"
+        swe prepare "$task" "$ctx"
+        chown -R "$SANDBOX_USER:$SANDBOX_USER" "$ctx"
+        as_user podman build --quiet --network none --pull-never --label "prorl.task-digest=$digest" -t "$tag" "$ctx" >/dev/null
+        rm -rf "$ctx"
+    fi
+done
+as_user podman image prune --force >/dev/null
 as_user podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep prorl

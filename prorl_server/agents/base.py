@@ -107,6 +107,10 @@ class AgentHandler(abc.ABC):
     default_image: str | None = None
     """Image when the request names none; None: the server's default image."""
 
+    def image_for(self, instance: dict[str, Any]) -> str | None:
+        """The sandbox image this instance needs when the request names none."""
+        return self.default_image
+
     @abc.abstractmethod
     def validate(self, instance: dict[str, Any]) -> None:
         """Raise InvalidArgument naming the problem if the instance is unusable."""

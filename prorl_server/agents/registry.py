@@ -8,6 +8,7 @@ from prorl_server.agents.base import AgentHandler
 from prorl_server.agents.code import CodeHandler
 from prorl_server.agents.math import MathHandler
 from prorl_server.agents.stem import StemHandler
+from prorl_server.agents.swe import SWEHandler
 from prorl_server.errors import InvalidArgument
 
 
@@ -34,4 +35,4 @@ class HandlerRegistry:
 
 
 def default_registry() -> HandlerRegistry:
-    return HandlerRegistry([MathHandler(), StemHandler(), CodeHandler()])
+    return HandlerRegistry([MathHandler(), StemHandler(), CodeHandler(), SWEHandler()])

