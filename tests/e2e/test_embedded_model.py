@@ -80,8 +80,10 @@ def test_demo_command_writes_one_line_per_rollout(tmp_path: Path) -> None:
 
 
 async def test_prorl_run_over_a_mixed_dataset(start_server, tmp_path: Path) -> None:
-    """Math, STEM and code tasks, 2 samples each, on the real model; a rerun does no work."""
+    """Math, STEM, code and SWE tasks, 2 samples each, on the real model; a rerun does no work."""
     import asyncio
+
+    from prorl_server.datasets.swe import TASKS_DIR, load_task, to_task
 
     server, client = await start_server(None)
     lines = [
@@ -105,6 +107,7 @@ async def test_prorl_run_over_a_mixed_dataset(start_server, tmp_path: Path) -> N
             "handler": "code",
             "instance": {"problem": "Print the input back.", "tests": [{"input": "hi\n", "output": "hi\n"}]},
         },
+        to_task(load_task(TASKS_DIR / "more-itertools__more-itertools-10.8.0")),
     ]
     for line in lines:
         line["limits"] = {"max_turns": 2}
@@ -130,10 +133,12 @@ async def test_prorl_run_over_a_mixed_dataset(start_server, tmp_path: Path) -> N
     )
     assert all(r["status"] == "JOB_STATUS_SUCCEEDED" and r["token_ids"] for r in records)
     assert all(len(r["token_ids"]) == len(r["loss_mask"]) == len(r["logprobs"]) for r in records)
+    swe = [r for r in records if r["task_id"] == "more-itertools__more-itertools-10.8.0"]
+    assert all(r["details"]["verdict"] in {"resolved", "unresolved", "patch_does_not_apply"} for r in swe)
     jobs_before = len((await client.list_jobs(page_size=1000)).jobs)
 
     stderr = await prorl_run()
 
-    assert len(out.read_text().splitlines()) == 8
+    assert len(out.read_text().splitlines()) == 10
     assert len((await client.list_jobs(page_size=1000)).jobs) == jobs_before  # no new job
     assert "0 rollouts written" in stderr
