@@ -17,12 +17,19 @@ import structlog
 from prorl_client import v1
 from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.config import Settings
-from prorl_server.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from prorl_server.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    ProrlError,
+    ResourceExhausted,
+    Unavailable,
+)
 from prorl_server.jobs.event_log import EventLog
 from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
-from prorl_server.jobs.store import SQLiteJobStore
+from prorl_server.jobs.store import SQLiteJobStore, StoredJob
 from prorl_server.jobs.validation import check_job_id, resolve_plan
 from prorl_server.llm.router import BackendPool
 from prorl_server.metrics import Metrics
@@ -102,21 +109,27 @@ class JobManager:
             create_time=time.time(),
             events=EventLog(job_id),
         )
-        self._jobs[job_id] = job
-        job.events.append(queued=v1.JobQueued(queue_position=self.gates[v1.PHASE_INIT].queued))
+        return self._admit(job), True
+
+    def _admit(self, job: JobRecord) -> JobRecord:
+        """Queue a job whose plan is resolved: from here on it runs to an outcome."""
+        self._jobs[job.job_id] = job
+        job.events.append(queued=v1.JobQueued(queue_position=self.gates[v1.PHASE_INIT].queued, attempt=job.attempt))
         if self._metrics is not None:
-            self._metrics.jobs_submitted.labels(request.handler).inc()
-        task = asyncio.create_task(self._run(job), name=f"job-{job_id}")
+            self._metrics.jobs_submitted.labels(job.request.handler).inc()
+        task = asyncio.create_task(self._run(job), name=f"job-{job.job_id}")
         job.task = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return job, True
+        return job
 
     async def _run(self, job: JobRecord) -> None:
         structlog.contextvars.bind_contextvars(job_id=job.job_id, handler=job.request.handler)
         try:
             if self._store is not None:
-                await self._store.submitted(job.job_id, job.number, job.request, job.fingerprint, job.create_time)
+                await self._store.submitted(
+                    job.job_id, job.number, job.request, job.fingerprint, job.create_time, job.attempt
+                )
             await self._pipeline.execute(job)
         finally:
             if self._store is not None and job.result is not None:
@@ -134,11 +147,14 @@ class JobManager:
 
     async def restore(self) -> int:
         """Load the store: finished jobs come back as they were; jobs that were
-        running when the server died are failed as interrupted. Returns how many."""
+        running when the server died start again if their retry policy allows,
+        and are failed as interrupted otherwise. Returns how many jobs were loaded."""
         if self._store is None:
             return 0
         stored = await self._store.load(self._settings.jobs.retain_finished_s)
         for item in stored:
+            if item.result is None and item.attempt <= item.request.retry.max_restarts and self._restart(item):
+                continue
             job = JobRecord(
                 job_id=item.job_id,
                 number=item.number,
@@ -161,6 +177,27 @@ class JobManager:
             log.info("jobs_restored", count=len(stored))
         return len(stored)
 
+    def _restart(self, item: StoredJob) -> bool:
+        """Run an interrupted job again from the beginning, under its own id."""
+        try:
+            plan = resolve_plan(item.request, self._settings, self._registry)
+        except ProrlError as exc:  # e.g. its handler is gone from this server's build
+            log.warning("job_not_restarted", job_id=item.job_id, error=exc.message)
+            return False
+        job = JobRecord(
+            job_id=item.job_id,
+            number=item.number,
+            request=item.request,
+            fingerprint=item.fingerprint,
+            plan=plan,
+            create_time=item.create_time,
+            events=EventLog(item.job_id),
+            attempt=item.attempt + 1,
+        )
+        self._admit(job)
+        log.info("job_restarted", job_id=job.job_id, attempt=job.attempt)
+        return True
+
     @staticmethod
     def _interrupted(job: JobRecord) -> None:
         job.result = v1.RolloutResult(
@@ -169,7 +206,10 @@ class JobManager:
             failure=v1.Failure(
                 kind=v1.FAILURE_KIND_INFRASTRUCTURE,
                 reason="interrupted",
-                message="the server stopped while the job was running; submit it again under a new job id",
+                message=(
+                    "the server stopped while the job was running; submit it again under a new job id, "
+                    "or set retry.max_restarts to let the server run it again"
+                ),
             ),
         )
         job.status = v1.JOB_STATUS_FAILED

@@ -58,6 +58,8 @@ class JobRecord:
     start_time: float | None = None
     end_time: float | None = None
     result: v1.RolloutResult | None = None
+    attempt: int = 1
+    """Runs so far, counting this one; above 1 after restarts (RolloutRequest.retry)."""
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     cancel_reason: str | None = None
 

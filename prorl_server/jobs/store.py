@@ -38,7 +38,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     create_time REAL NOT NULL,
     end_time REAL,
     result BLOB,
-    events BLOB
+    events BLOB,
+    attempt INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS jobs_end_time ON jobs (end_time);
 """
@@ -55,6 +56,7 @@ class StoredJob:
     end_time: float | None
     result: v1.RolloutResult | None
     events: list[v1.RolloutEvent]
+    attempt: int = 1
 
 
 def pack_events(events: Iterable[v1.RolloutEvent]) -> bytes:
@@ -90,6 +92,9 @@ class SQLiteJobStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        if "attempt" not in columns:  # a store written before retries existed
+            self._db.execute("ALTER TABLE jobs ADD COLUMN attempt INTEGER NOT NULL DEFAULT 1")
         self._db.commit()
 
     @property
@@ -106,18 +111,27 @@ class SQLiteJobStore:
             self._db = None
         self._executor.shutdown(wait=True)
 
-    def _submitted(self, job_id: str, number: int, request: bytes, fingerprint: bytes, created: float) -> None:
+    def _submitted(
+        self, job_id: str, number: int, request: bytes, fingerprint: bytes, created: float, attempt: int
+    ) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO jobs (job_id, number, request, fingerprint, status, create_time) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (job_id, number, request, fingerprint, v1.JOB_STATUS_QUEUED, created),
+            "INSERT OR REPLACE INTO jobs (job_id, number, request, fingerprint, status, create_time, attempt) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (job_id, number, request, fingerprint, v1.JOB_STATUS_QUEUED, created, attempt),
         )
         self.db.commit()
 
     async def submitted(
-        self, job_id: str, number: int, request: v1.RolloutRequest, fingerprint: bytes, created: float
+        self,
+        job_id: str,
+        number: int,
+        request: v1.RolloutRequest,
+        fingerprint: bytes,
+        created: float,
+        attempt: int = 1,
     ) -> None:
-        await self._call(self._submitted, job_id, number, request.SerializeToString(), fingerprint, created)
+        """A job was admitted (or started again: `attempt` counts its runs)."""
+        await self._call(self._submitted, job_id, number, request.SerializeToString(), fingerprint, created, attempt)
 
     def _finished(self, job_id: str, status: int, end_time: float, result: bytes, events: bytes) -> None:
         self.db.execute(
@@ -135,7 +149,7 @@ class SQLiteJobStore:
         self.db.execute("DELETE FROM jobs WHERE end_time IS NOT NULL AND end_time < ?", (keep_after,))
         self.db.commit()
         rows = self.db.execute(
-            "SELECT job_id, number, request, fingerprint, status, create_time, end_time, result, events "
+            "SELECT job_id, number, request, fingerprint, status, create_time, end_time, result, events, attempt "
             "FROM jobs ORDER BY number"
         ).fetchall()
         return [
@@ -149,6 +163,7 @@ class SQLiteJobStore:
                 end_time=row[6],
                 result=v1.RolloutResult.FromString(row[7]) if row[7] is not None else None,
                 events=unpack_events(row[8]),
+                attempt=row[9],
             )
             for row in rows
         ]

@@ -15,7 +15,7 @@ from prorl_client import v1
 from prorl_server.agents.base import Limits
 from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.config import Settings
-from prorl_server.errors import InvalidArgument
+from prorl_server.errors import FailedPrecondition, InvalidArgument
 from prorl_server.jobs.record import JobPlan
 from prorl_server.llm.base import Sampling
 
@@ -88,6 +88,19 @@ def _labels(request: v1.RolloutRequest) -> None:
             raise InvalidArgument(f"label {key[:40]!r}: keys must be non-empty, keys and values ≤ {MAX_LABEL_CHARS}")
 
 
+MAX_RESTARTS = 10
+
+
+def _retry(request: v1.RolloutRequest, settings: Settings) -> None:
+    restarts = request.retry.max_restarts
+    if restarts > MAX_RESTARTS:
+        raise InvalidArgument(f"retry.max_restarts must be at most {MAX_RESTARTS}, got {restarts}")
+    if restarts and not settings.jobs.store:
+        raise FailedPrecondition(
+            "retry.max_restarts needs the durable job store, which this server runs without (jobs.store = false)"
+        )
+
+
 def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: HandlerRegistry) -> JobPlan:
     if not request.handler:
         raise InvalidArgument(f"handler is empty; this server has: {', '.join(registry.names())}")
@@ -99,6 +112,7 @@ def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: Handl
     instance: dict[str, Any] = MessageToDict(request.instance)
     handler.validate(instance)
     _labels(request)
+    _retry(request, settings)
     box = settings.sandbox
     spec = request.sandbox
     cpus = spec.cpus if spec.HasField("cpus") else box.cpus

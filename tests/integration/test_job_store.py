@@ -101,3 +101,55 @@ async def test_a_job_running_when_the_server_died_is_reported_interrupted(
     (stored,) = await store.load(retain_s=3600)
     await store.close()
     assert stored.result is not None and stored.result.failure.reason == "interrupted"
+
+
+async def test_a_job_that_allows_restarts_runs_again_after_a_restart(scripted_llm, podman_url, tmp_path: Path) -> None:
+    """retry.max_restarts = 1: the first restart runs the job again (attempt 2), to a real result;
+    had it been interrupted once more, the second restart reports it interrupted."""
+    path = tmp_path / "jobs.sqlite"
+    store = SQLiteJobStore(path)
+    await store.open()
+    again = math_request("What is 6 * 7?", "42", job_id="rerun-me")
+    again.retry.max_restarts = 1
+    await store.submitted("rerun-me", 3, again, again.SerializeToString(deterministic=True), time.time() - 5)
+    twice = math_request("What is 6 * 7?", "42", job_id="ran-twice")
+    twice.retry.max_restarts = 1
+    await store.submitted("ran-twice", 4, twice, twice.SerializeToString(deterministic=True), time.time(), attempt=2)
+    await store.close()
+
+    llm = await scripted_llm(python_then_finish)
+    server = ProrlServer(make_settings(podman_url, llm.base_url, jobs={"store": True, "store_path": str(path)}))
+    await server.start()
+    try:
+        async with Client.connect(server.address) as client:
+            events = [e async for e in client.watch("rerun-me")]
+            assert events[0].queued.attempt == 2
+            assert events[-1].finished.result.status == v1.JOB_STATUS_SUCCEEDED
+            assert events[-1].finished.result.reward == 1.0
+            exhausted = await client.get_job("ran-twice")
+            assert exhausted.result.failure.reason == "interrupted"
+            # The re-run is idempotent like any job: resubmitting the same request returns it.
+            same = await client.submit(again)
+            assert not same.created and same.job.result.reward == 1.0
+    finally:
+        await server.stop()
+    store = SQLiteJobStore(path)
+    await store.open()
+    stored = {item.job_id: item for item in await store.load(retain_s=3600)}
+    await store.close()
+    assert stored["rerun-me"].attempt == 2 and stored["rerun-me"].result is not None
+    assert stored["rerun-me"].result.reward == 1.0
+
+
+async def test_restarts_need_the_store_and_are_bounded(scripted_llm, start_server) -> None:
+    llm = await scripted_llm(python_then_finish)
+    _, client = await start_server(llm.base_url)  # runs without the store
+    request = math_request("q", "1")
+    request.retry.max_restarts = 1
+    with pytest.raises(RpcError) as error:
+        await client.submit(request)
+    assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION and "job store" in error.value.details
+    request.retry.max_restarts = 11
+    with pytest.raises(RpcError) as error:
+        await client.submit(request)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and "at most 10" in error.value.details

@@ -51,7 +51,7 @@ FAILURE_KIND_INFRASTRUCTURE: FailureKind
 FAILURE_KIND_POLICY: FailureKind
 
 class RolloutRequest(_message.Message):
-    __slots__ = ("job_id", "handler", "instance", "sampling", "limits", "sandbox", "group_id", "priority", "labels")
+    __slots__ = ("job_id", "handler", "instance", "sampling", "limits", "sandbox", "group_id", "priority", "labels", "retry")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class RolloutRequest(_message.Message):
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     handler: str
     instance: _struct_pb2.Struct
@@ -77,7 +78,14 @@ class RolloutRequest(_message.Message):
     group_id: str
     priority: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, job_id: _Optional[str] = ..., handler: _Optional[str] = ..., instance: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., limits: _Optional[_Union[AgentLimits, _Mapping]] = ..., sandbox: _Optional[_Union[SandboxSpec, _Mapping]] = ..., group_id: _Optional[str] = ..., priority: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    retry: RetryPolicy
+    def __init__(self, job_id: _Optional[str] = ..., handler: _Optional[str] = ..., instance: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., limits: _Optional[_Union[AgentLimits, _Mapping]] = ..., sandbox: _Optional[_Union[SandboxSpec, _Mapping]] = ..., group_id: _Optional[str] = ..., priority: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ...) -> None: ...
+
+class RetryPolicy(_message.Message):
+    __slots__ = ("max_restarts",)
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    max_restarts: int
+    def __init__(self, max_restarts: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "max_tokens", "stop", "seed", "model")
@@ -267,10 +275,12 @@ class RolloutEvent(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queued: _Optional[_Union[JobQueued, _Mapping]] = ..., phase_started: _Optional[_Union[PhaseStarted, _Mapping]] = ..., model_turn: _Optional[_Union[ModelTurn, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ...) -> None: ...
 
 class JobQueued(_message.Message):
-    __slots__ = ("queue_position",)
+    __slots__ = ("queue_position", "attempt")
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     queue_position: int
-    def __init__(self, queue_position: _Optional[int] = ...) -> None: ...
+    attempt: int
+    def __init__(self, queue_position: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class PhaseStarted(_message.Message):
     __slots__ = ("phase", "queue_wait")
