@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -46,3 +47,48 @@ def math_request(
 
 def kinds(events: list[v1.RolloutEvent]) -> list[str]:
     return [str(event.WhichOneof("kind")) for event in events]
+
+
+class ServeProcess:
+    """`prorl-server serve` as a child process: started with --set flags, its
+    address read from its log, killed (never left behind) on exit."""
+
+    def __init__(self, *settings: str) -> None:
+        self.settings = settings
+        self.process: asyncio.subprocess.Process | None = None
+        self.address = ""
+        self.log: list[str] = []
+
+    async def __aenter__(self) -> ServeProcess:
+        flags = [arg for setting in self.settings for arg in ("--set", setting)]
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "prorl_server", "serve", "--port", "0", *flags,
+            stderr=asyncio.subprocess.PIPE, cwd="/",
+        )  # fmt: skip
+        assert self.process.stderr is not None
+        async with asyncio.timeout(60):
+            while not self.address:
+                line = (await self.process.stderr.readline()).decode()
+                assert line, "the server exited before listening:\n" + "".join(self.log)
+                self.log.append(line)
+                if line.startswith("prorl-server listening on "):
+                    self.address = line.split()[-1]
+        self._drain = asyncio.ensure_future(self._read_log())
+        return self
+
+    async def _read_log(self) -> None:
+        assert self.process is not None and self.process.stderr is not None
+        async for line in self.process.stderr:
+            self.log.append(line.decode())
+
+    async def wait(self, timeout_s: float = 60) -> int:
+        assert self.process is not None
+        async with asyncio.timeout(timeout_s):
+            return await self.process.wait()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self.process is not None
+        if self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+        await self._drain

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import sys
 from typing import Any
 
 import grpc
@@ -14,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prorl_client import Client, v1
 from prorl_server.llm.scripted import ScriptedReply, tool_call_text
 from tests.conftest import instance_id, server_containers
-from tests.helpers import math_request
+from tests.helpers import ServeProcess, math_request
 
 pytestmark = pytest.mark.podman
 
@@ -26,47 +24,27 @@ def slow_finish(messages: list[dict[str, Any]]) -> ScriptedReply:
 async def test_serve_then_sigterm_exits_cleanly(scripted_llm, podman_url) -> None:
     llm = await scripted_llm(slow_finish)
     instance = instance_id("serve")
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prorl_server", "serve", "--port", "0",
-        "--set", f"server.instance_id={instance}",
-        "--set", f"sandbox.podman_socket={podman_url}",
-        "--set", f'llm.backends=[{{"id": "scripted", "base_url": "{llm.base_url}"}}]',
-        "--set", "server.shutdown_grace_s=20",
-        "--set", "jobs.store=false",
-        stderr=asyncio.subprocess.PIPE,
-        cwd="/",
-    )  # fmt: skip
-    assert process.stderr is not None
-    try:
-        address = ""
-        seen: list[str] = []
-        async with asyncio.timeout(60):
-            while not address:
-                line = (await process.stderr.readline()).decode()
-                assert line, "the server exited before listening:\n" + "".join(seen)
-                seen.append(line)
-                if line.startswith("prorl-server listening on "):
-                    address = line.split()[-1]
-        async with Client.connect(address) as client:
+    async with ServeProcess(
+        f"server.instance_id={instance}",
+        f"sandbox.podman_socket={podman_url}",
+        f'llm.backends=[{{"id": "scripted", "base_url": "{llm.base_url}"}}]',
+        "server.shutdown_grace_s=20",
+        "jobs.store=false",
+    ) as served:
+        async with Client.connect(served.address) as client:
             await client.submit(math_request("What is 6 * 7?", "42", job_id="drain-1"))
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with grpc.aio.insecure_channel(served.address) as channel:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
             watch = client.watch("drain-1")
             first = await anext(watch)
             assert first.HasField("queued")
 
-            process.send_signal(signal.SIGTERM)
+            assert served.process is not None
+            served.process.send_signal(signal.SIGTERM)
 
             rest = [event async for event in watch]
         # The running job was allowed to finish within the grace period.
         assert rest[-1].finished.result.status == v1.JOB_STATUS_SUCCEEDED
-        async with asyncio.timeout(60):
-            assert await process.wait() == 0
+        assert await served.wait() == 0
         assert not server_containers(podman_url, instance)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-        assert process.stderr is not None
-        await process.stderr.read()

@@ -1,0 +1,101 @@
+"""Faults from outside the server, each with a clear outcome and nothing lost:
+a sandbox killed under a running job, and the server itself SIGKILLed and
+restarted over its durable store."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from podman import PodmanClient
+
+from prorl_client import Client, v1
+from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index, user_prompt
+from tests.conftest import instance_id, job_containers, server_containers
+from tests.helpers import ServeProcess, assert_eventually, math_request
+
+pytestmark = pytest.mark.podman
+
+
+def hang_on_hang_requests(messages: list[dict[str, Any]]) -> ScriptedReply:
+    """Questions containing "hang" sleep in the sandbox; others are answered at once."""
+    if "hang" in user_prompt(messages) and turn_index(messages) == 0:
+        return ScriptedReply(tool_call_text("bash", {"command": "sleep 120"}))
+    return ScriptedReply(tool_call_text("finish", {"answer": "42"}))
+
+
+async def test_a_sandbox_killed_from_outside_fails_its_job_as_infrastructure_and_frees_its_slot(
+    scripted_llm, start_server, podman_url
+) -> None:
+    llm = await scripted_llm(hang_on_hang_requests)
+    _, client = await start_server(llm.base_url, phases={"run": 1})
+    await client.submit(math_request("please hang", job_id="victim"))
+
+    async def tool_running() -> bool:
+        job = await client.get_job("victim")
+        return job.phase == v1.PHASE_RUN and len(llm.requests) >= 1 and bool(job_containers(podman_url, "victim"))
+
+    await assert_eventually(tool_running)
+    (container,) = job_containers(podman_url, "victim")
+    with PodmanClient(base_url=podman_url) as podman:
+        podman.containers.get(container.id).kill(signal="SIGKILL")
+
+    events = [event async for event in client.watch("victim")]
+    result = events[-1].finished.result
+    assert result.status == v1.JOB_STATUS_FAILED
+    assert result.failure.kind == v1.FAILURE_KIND_INFRASTRUCTURE  # never scored as the policy's reward 0
+    assert result.failure.phase == v1.PHASE_RUN
+    assert "sandbox" in result.failure.message.lower()
+    assert not job_containers(podman_url, "victim")
+    stats = await client.get_stats()
+    assert stats.sandboxes_busy == 0
+    assert next(p for p in stats.phases if p.phase == v1.PHASE_RUN).active == 0
+    # The single run slot is free again: the next job runs to its reward.
+    after = [event async for event in client.rollout(math_request("What is 6 * 7?", "42"))]
+    assert after[-1].finished.result.reward == 1.0
+
+
+async def test_sigkill_then_restart_reaps_orphans_and_keeps_the_store_consistent(
+    scripted_llm, podman_url, tmp_path: Path
+) -> None:
+    llm = await scripted_llm(hang_on_hang_requests)
+    instance = instance_id("crash")
+    settings = (
+        f"server.instance_id={instance}",
+        f"sandbox.podman_socket={podman_url}",
+        f'llm.backends=[{{"id": "scripted", "base_url": "{llm.base_url}"}}]',
+        "jobs.store=true",
+        f"jobs.store_path={tmp_path / 'jobs.sqlite'}",
+        "server.shutdown_grace_s=0",
+    )
+    async with ServeProcess(*settings) as first:
+        async with Client.connect(first.address) as client:
+            done = [e async for e in client.rollout(math_request("What is 6 * 7?", "42", job_id="done-before"))]
+            assert done[-1].finished.result.reward == 1.0
+            await client.submit(math_request("please hang", job_id="cut-short"))
+            await assert_eventually(lambda: bool(job_containers(podman_url, "cut-short")))
+        assert first.process is not None
+        first.process.send_signal(signal.SIGKILL)
+        assert await first.wait() == -signal.SIGKILL
+    assert job_containers(podman_url, "cut-short"), "the crash should have orphaned the running job's container"
+
+    async with ServeProcess(*settings) as second:
+        assert not server_containers(podman_url, instance)  # reaped at start-up, before serving
+        async with Client.connect(second.address) as client:
+            finished = await client.get_job("done-before")
+            assert finished.status == v1.JOB_STATUS_SUCCEEDED and finished.result.reward == 1.0
+            replay = [event async for event in client.watch("done-before")]
+            assert [event.seq for event in replay] == [event.seq for event in done]
+            assert replay == done
+            cut = await client.get_job("cut-short")
+            assert cut.status == v1.JOB_STATUS_FAILED
+            assert cut.result.failure.kind == v1.FAILURE_KIND_INFRASTRUCTURE
+            assert cut.result.failure.reason == "interrupted"
+            listed = {job.job_id: job.status for job in (await client.list_jobs()).jobs}
+            assert listed == {"done-before": v1.JOB_STATUS_SUCCEEDED, "cut-short": v1.JOB_STATUS_FAILED}
+        assert second.process is not None
+        second.process.send_signal(signal.SIGTERM)
+        assert await second.wait() == 0
+    assert not server_containers(podman_url, instance)
