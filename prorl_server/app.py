@@ -161,7 +161,7 @@ class ProrlServer:
     async def _start_backends(self) -> None:
         llm = self.settings.llm
         for configured in llm.backends:
-            spec = BackendSpec(**configured.model_dump())
+            spec = BackendSpec(**{**configured.model_dump(), "api_key": configured.api_key.get_secret_value()})
             self._pool.add(build_backend(spec, timeout_s=llm.request_timeout_s, max_retries=llm.max_retries))
         embedded = llm.embedded
         if embedded.enabled == "always" or (embedded.enabled == "auto" and not llm.backends):

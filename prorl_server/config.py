@@ -150,7 +150,8 @@ class BackendSettings(_Section):
     base_url: str
     """e.g. http://127.0.0.1:8000/v1 (SGLang's native API: http://127.0.0.1:30000)"""
     model: str = ""
-    api_key: str = ""
+    api_key: SecretStr = SecretStr("")
+    """Sent as a bearer token to the backend; never logged or shown."""
     max_in_flight: int = Field(0, ge=0)
     tokenizer_path: str = ""
     """vllm and sglang: a local Hugging Face tokenizer folder of the served model."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prorl_server.errors import InvalidArgument
 from prorl_server.llm.base import BackendInfo, LLMBackend
@@ -19,7 +19,7 @@ class BackendSpec:
     kind: str
     base_url: str
     model: str = ""
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     max_in_flight: int = 0
     tokenizer_path: str = ""
     weight: float = 1.0

@@ -51,6 +51,8 @@ class ScriptedLLMServer:
     def __init__(self, script: Script) -> None:
         self.script = script
         self.requests: list[dict[str, Any]] = []
+        self.authorizations: list[str] = []
+        """The Authorization header of each chat request ("" when absent)."""
         self.in_flight = 0
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -81,6 +83,7 @@ class ScriptedLLMServer:
     async def _chat(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append(body)
+        self.authorizations.append(request.headers.get("Authorization", ""))
         reply = self.script(body["messages"])
         self.in_flight += 1
         try:

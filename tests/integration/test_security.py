@@ -1,18 +1,25 @@
-"""Bearer tokens and TLS: the wrong or missing token is UNAUTHENTICATED, health stays open."""
+"""Security: bearer tokens and TLS (the wrong or missing token is UNAUTHENTICATED,
+health stays open), no secret in the logs, no host path inside a sandbox."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from podman import PodmanClient
 
 from prorl_client import Client, RpcError, v1
+from prorl_server.errors import ProrlError
 from prorl_server.llm.scripted import ScriptedReply, tool_call_text
-from tests.helpers import math_request
+from prorl_server.sandbox.podman import LABEL_JOB, RUNTIME_MOUNT, SOCKET_MOUNT, PodmanProvider
+from tests.conftest import instance_id, job_containers, podman_options, small_spec
+from tests.helpers import ServeProcess, math_request
 
 pytestmark = pytest.mark.podman
 
@@ -74,3 +81,70 @@ async def test_tls_serves_only_tls_clients(scripted_llm, start_server, tmp_path:
         assert [b.id for b in stats.backends] == ["scripted"]
         events = [e async for e in secure.rollout(math_request("What is 6 * 7?", "42"))]
         assert events[-1].finished.result.status == v1.JOB_STATUS_SUCCEEDED
+
+
+async def test_secrets_never_reach_the_logs(scripted_llm, podman_url) -> None:
+    """Bearer tokens (right and wrong ones) and a backend's API key, at debug level."""
+    llm = await scripted_llm(finish_at_once)
+    token, wrong, api_key = "tok-right-8f3a1c", "tok-wrong-77d2e9", "sk-backend-5b9e40"
+    async with ServeProcess(
+        f"server.instance_id={instance_id('secrets')}",
+        f"sandbox.podman_socket={podman_url}",
+        f'llm.backends=[{{"id": "scripted", "base_url": "{llm.base_url}", "api_key": "{api_key}"}}]',
+        f'server.auth_tokens=["{token}"]',
+        "server.log_level=debug",
+        "jobs.store=false",
+    ) as served:
+        async with Client.connect(served.address, token=token) as client:
+            events = [e async for e in client.rollout(math_request("What is 6 * 7?", "42"))]
+            assert events[-1].finished.result.reward == 1.0
+        async with Client.connect(served.address, token=wrong) as client:
+            with pytest.raises(RpcError) as error:
+                await client.get_stats()
+            assert error.value.code == grpc.StatusCode.UNAUTHENTICATED
+            assert wrong not in error.value.details
+        assert served.process is not None
+        served.process.send_signal(signal.SIGTERM)
+        assert await served.wait() == 0
+    assert llm.authorizations == [f"Bearer {api_key}"]  # the key was really used...
+    log = "".join(served.log)
+    assert "job_finished" in log or "server_stopped" in log, log[-2000:]  # ...the log is really there...
+    for secret in (token, wrong, api_key):
+        assert secret not in log  # ...and no secret is in it
+
+
+async def test_sandboxes_mount_nothing_of_the_host_but_the_runtime(provider: PodmanProvider, podman_url) -> None:
+    sandbox = await provider.create(small_spec(labels={LABEL_JOB: "mounts"}))
+    try:
+        (container,) = job_containers(podman_url, "mounts")
+        with PodmanClient(base_url=podman_url) as podman:
+            mounts = podman.containers.get(container.id).inspect()["Mounts"]
+        binds = {m["Destination"]: m for m in mounts if m["Type"] == "bind"}
+        assert set(binds) == {RUNTIME_MOUNT, SOCKET_MOUNT}
+        assert not binds[RUNTIME_MOUNT]["RW"]
+        state_dir = str(podman_options("x").state_dir)
+        assert all(m["Source"].startswith(state_dir) for m in binds.values())
+        assert {m["Destination"] for m in mounts} <= {RUNTIME_MOUNT, SOCKET_MOUNT, "/tmp"}
+    finally:
+        await sandbox.close()
+
+
+async def test_file_tools_cannot_reach_host_paths(provider: PodmanProvider, tmp_path: Path) -> None:
+    host_secret = Path("/var/tmp") / f"prorl-host-secret-{uuid.uuid4().hex}"
+    host_secret.write_text("host only")
+    escape_target = Path("/var/tmp") / f"prorl-escape-{uuid.uuid4().hex}"
+    sandbox = await provider.create(small_spec())
+    try:
+        with pytest.raises(ProrlError):
+            await sandbox.read_file(str(host_secret))
+        with pytest.raises(ProrlError):
+            await sandbox.read_file(f"../../../../..{host_secret}")
+        viewed = await sandbox.edit("view", f"/workspace/../../..{host_secret}")
+        assert viewed.is_error and "does not exist" in viewed.output
+        created = await sandbox.edit("create", f"../../../../..{escape_target}", file_text="escaped?")
+        assert not escape_target.exists()
+        if not created.is_error:  # it landed inside the container's own file system
+            assert (await sandbox.read_file(str(escape_target))) == b"escaped?"
+    finally:
+        await sandbox.close()
+        host_secret.unlink()
