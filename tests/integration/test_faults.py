@@ -99,3 +99,33 @@ async def test_sigkill_then_restart_reaps_orphans_and_keeps_the_store_consistent
         second.process.send_signal(signal.SIGTERM)
         assert await second.wait() == 0
     assert not server_containers(podman_url, instance)
+
+
+async def test_a_backend_killed_mid_rollout_hands_the_turn_to_another(scripted_llm, start_server) -> None:
+    def python_then_finish(messages: list[dict[str, Any]]) -> ScriptedReply:
+        if turn_index(messages) == 0:
+            return ScriptedReply(tool_call_text("bash", {"command": "sleep 1; echo 42"}))
+        return ScriptedReply(tool_call_text("finish", {"answer": "42"}))
+
+    first, second = await scripted_llm(python_then_finish), await scripted_llm(python_then_finish)
+    backends = [
+        {"id": "first", "base_url": first.base_url, "weight": 100.0},
+        {"id": "second", "base_url": second.base_url},
+    ]
+    _, client = await start_server(None, llm={"backends": backends, "embedded": {"enabled": "never"}})
+    await client.submit(math_request("What is 6 * 7?", "42", job_id="moved"))
+    watch = client.watch("moved")
+    events: list[v1.RolloutEvent] = []
+    async for event in watch:
+        events.append(event)
+        if event.HasField("tool_call"):  # turn 0 is done and its tool is running: kill its backend
+            await first.stop()
+            break
+    events += [event async for event in watch]
+
+    result = events[-1].finished.result
+    assert result.status == v1.JOB_STATUS_SUCCEEDED and result.reward == 1.0
+    turns = [event.model_turn for event in events if event.HasField("model_turn")]
+    assert [turn.backend_id for turn in turns] == ["first", "second"]
+    assert turns[1].switched_from_backend == "first"
+    assert len(first.requests) == 1 and len(second.requests) == 1
