@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 PYTEST ?= $(PYTHON) -m pytest
 
-.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-e2e test-all demo clean-containers bench bench-sandbox bench-llm
+.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-e2e test-all demo clean-containers bench bench-sandbox bench-llm bench-load
 
 setup: setup-host setup-python images
 
@@ -52,7 +52,7 @@ test-all: setup proto-check lint
 	$(PYTEST) -q
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
-bench: bench-sandbox bench-llm
+bench: bench-sandbox bench-llm bench-load
 
 bench-sandbox: setup
 	$(PIP) install --quiet -e '.[bench]'
@@ -60,6 +60,10 @@ bench-sandbox: setup
 
 bench-llm: setup
 	$(PYTHON) bench/llm.py
+
+# 1,000 jobs through one RolloutStream, 64 sandboxes at once; fails unless the server gets back to its baseline.
+bench-load: setup
+	$(PYTHON) bench/load.py
 
 demo: setup
 	$(PYTHON) -m prorl_server demo --out demo_trajectories.jsonl

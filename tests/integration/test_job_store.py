@@ -58,6 +58,8 @@ async def test_finished_jobs_survive_a_restart(scripted_llm, podman_url, tmp_pat
             calls = len(llm.requests)
             again = await client.submit(request)  # idempotent across the restart
             assert not again.created and again.job.result == before[-1].finished.result
+            streamed = [item async for item in client.rollout_many([request]) if item.HasField("finished")]
+            assert [item.finished.result for item in streamed] == [before[-1].finished.result]  # RolloutStream too
             assert len(llm.requests) == calls
             changed = math_request("What is 6 * 8?", "48", job_id="durable-1")
             with pytest.raises(RpcError) as error:
