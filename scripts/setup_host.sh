@@ -8,6 +8,8 @@ set -euo pipefail
 
 SANDBOX_USER="${PRORL_SANDBOX_USER:-prorl}"
 APT_PACKAGES=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs catatonit)
+# git: the SWE images' repositories are committed on the host (sandbox_images/swe).
+APT_PACKAGES+=(git)
 # The Go and C++ example clients (examples/), built from proto/ offline.
 APT_PACKAGES+=(golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev
                protobuf-compiler protobuf-compiler-grpc libgrpc++-dev g++ pkg-config openssl)
