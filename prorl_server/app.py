@@ -92,6 +92,7 @@ class ProrlServer:
                 threads=box.podman_threads,
                 runtime_start_timeout_s=box.runtime_start_timeout_s,
                 cgroup_limits=box.cgroup_limits,
+                max_sandboxes=box.max_sandboxes,
             ),
         )
         await self._provider.start()

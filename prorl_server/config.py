@@ -123,6 +123,10 @@ class SandboxSettings(_Section):
     """Tool output kept per call; the rest is cut with a visible marker."""
     podman_threads: int = Field(16, ge=1)
     """Worker threads for the synchronous Podman client; the event loop never blocks on it."""
+    max_sandboxes: int = Field(0, ge=0)
+    """Containers this server holds at once, counted from creation until their removal is
+    done, warm ones included; a job waits for a free one in init. 0: no limit (the phase
+    limits bound jobs, but a finished job's container may still be being removed)."""
     state_dir: str = "/var/lib/prorl"
     """Host folder for the staged in-sandbox runtime and the per-sandbox socket folders."""
     container_user: str = Field("1000:1000", pattern=r"^[0-9]+(:[0-9]+)?$")

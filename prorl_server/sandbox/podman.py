@@ -69,6 +69,8 @@ class PodmanOptions:
     threads: int
     runtime_start_timeout_s: float
     cgroup_limits: bool
+    max_sandboxes: int = 0
+    """Containers held at once, from creation until removal is done; 0: no limit."""
 
 
 class PodmanProvider(SandboxProvider):
@@ -78,6 +80,7 @@ class PodmanProvider(SandboxProvider):
         self._pool = ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="podman")
         self._client: PodmanClient | None = None
         self._live: set[str] = set()
+        self._slots = asyncio.Semaphore(options.max_sandboxes) if options.max_sandboxes else None
         self._background: set[asyncio.Future[Any]] = set()
         self._exec_only_images: set[str] = set()
         self._runtime_dir = options.state_dir / "runtime"
@@ -225,6 +228,8 @@ class PodmanProvider(SandboxProvider):
                 raise
             return container
 
+        if self._slots is not None:
+            await self._slots.acquire()  # a container is counted until its removal is done
         self._live.add(name)
         creation = asyncio.ensure_future(self.call(create_and_start))
         self._track(creation)
@@ -336,8 +341,14 @@ class PodmanProvider(SandboxProvider):
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
+    def _release(self, name: str) -> None:
+        if name in self._live:
+            self._live.discard(name)
+            if self._slots is not None:
+                self._slots.release()
+
     async def _forget(self, name: str) -> None:
-        self._live.discard(name)
+        self._release(name)
         await self.call(lambda: shutil.rmtree(self._sockets_dir / name, ignore_errors=True))
 
     async def remove(self, name: str) -> None:
@@ -351,7 +362,7 @@ class PodmanProvider(SandboxProvider):
         try:
             await self.call(remove)
         finally:
-            self._live.discard(name)
+            self._release(name)
 
     async def remove_ours(self) -> int:
         """Remove every container labelled as this server's; returns the count."""
@@ -378,7 +389,8 @@ class PodmanProvider(SandboxProvider):
             except Exception as exc:  # shutting down: report, and go on closing the rest
                 log.error("sandbox_cleanup_failed", error=str(exc))
             finally:
-                self._live.clear()
+                for name in list(self._live):
+                    self._release(name)
                 self._client.close()
                 self._client = None
         self._pool.shutdown(wait=False, cancel_futures=True)

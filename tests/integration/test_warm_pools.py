@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
 from prorl_client import v1
 from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index
+from prorl_server.sandbox.podman import PodmanProvider
 from prorl_server.sandbox.pool import SandboxPools
-from tests.conftest import small_spec
+from tests.conftest import instance_id, podman_options, server_containers, small_spec
 from tests.helpers import assert_eventually, math_request
 
 pytestmark = pytest.mark.podman
@@ -98,3 +100,27 @@ async def test_a_memory_hog_job_reports_a_clear_outcome(scripted_llm, start_serv
     # The hog was killed; the agent was told and went on.
     assert "killed" in tool.output or "MemoryError" in tool.output
     assert result.status == v1.JOB_STATUS_SUCCEEDED and result.reward == 1.0
+
+
+async def test_max_sandboxes_caps_containers_until_their_removal_is_done(podman_url: str) -> None:
+    instance = instance_id("capped")
+    provider = PodmanProvider(url_factory=lambda: podman_url, options=podman_options(instance, max_sandboxes=2))
+    await provider.start()
+    try:
+        first, second = await provider.create(small_spec()), await provider.create(small_spec())
+        third = asyncio.ensure_future(provider.create(small_spec()))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not third.done() and provider.busy == 2  # waiting for a slot, not starting a container
+        assert len(server_containers(podman_url, instance)) == 2
+
+        await first.close()  # its removal is done when close returns: the slot passes on
+        sandbox = await third
+        assert (await sandbox.bash("echo ok", timeout_s=10)).output == "ok\n"
+        assert provider.busy == 2 and len(server_containers(podman_url, instance)) == 2
+        await second.close()
+        await sandbox.close()
+        assert provider.busy == 0
+    finally:
+        await provider.close()
+    assert not server_containers(podman_url, instance)
