@@ -4,7 +4,8 @@
 # No image registry is reachable here, so the base image is bootstrapped from
 # Debian's package archive with debootstrap and imported; every other image
 # is a Containerfile under sandbox_images/ built FROM it with no network.
-# Idempotent: an image that exists is kept unless FORCE=1.
+# Idempotent: an image is rebuilt only when what it is built from changed
+# (or FORCE=1).
 set -euo pipefail
 
 SANDBOX_USER="${PRORL_SANDBOX_USER:-prorl}"
@@ -17,18 +18,23 @@ as_user() {
     # cd: the sandbox user cannot enter root's home, where the checkout may be.
     (cd / && runuser -u "$SANDBOX_USER" -- env XDG_RUNTIME_DIR="$XDG_RUNTIME_DIR" HOME="$(getent passwd "$SANDBOX_USER" | cut -d: -f6)" "$@")
 }
-have_image() { as_user podman image exists "$1"; }
+# Every image carries the digest of what it is built from (label prorl.digest,
+# which covers its parent's digest too); an image is rebuilt when that changes.
+digest_of() { sha256sum | cut -c1-16; }
+built() { as_user podman image inspect --format '{{index .Labels "prorl.digest"}}' "$1" 2>/dev/null || true; }
+stale() { [[ "${FORCE:-0}" == 1 || "$(built "$1")" != "$2" ]]; }
 
 BASE=localhost/prorl-base:bookworm
 # git and pytest: the SWE images check out repositories and run their tests offline.
 BASE_PACKAGES=python3,git,python3-pytest
-if [[ "${FORCE:-0}" == 1 ]] || ! have_image "$BASE"; then
+base_digest="$(echo "bookworm minbase $BASE_PACKAGES" | digest_of)"
+if stale "$BASE" "$base_digest"; then
     echo "build-images: debootstrap $BASE (about a minute)"
     rootfs="$(mktemp -d /var/tmp/prorl-rootfs.XXXXXX)"
     trap 'rm -rf "$rootfs"' EXIT
     debootstrap --variant=minbase --include="$BASE_PACKAGES" bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
-    tar -C "$rootfs" -c . | as_user podman import --quiet - "$BASE" >/dev/null
+    tar -C "$rootfs" -c . | as_user podman import --quiet --change "LABEL prorl.digest=$base_digest" - "$BASE" >/dev/null
     rm -rf "$rootfs"
     trap - EXIT
 fi
@@ -38,30 +44,30 @@ for dir in "$ROOT"/sandbox_images/*/; do
     name="$(basename "$dir")"
     [[ -f "$dir/Containerfile" ]] || continue
     tag="localhost/prorl-${name}:latest"
-    if [[ "${FORCE:-0}" == 1 ]] || ! have_image "$tag"; then
+    digest="$( (echo "$base_digest"; cd "$dir" && find . -type f | sort | xargs sha256sum) | digest_of)"
+    if stale "$tag" "$digest"; then
         echo "build-images: $tag"
         ctx="$(mktemp -d /var/tmp/prorl-ctx.XXXXXX)"
         cp -r "$dir". "$ctx"
         chown -R "$SANDBOX_USER:$SANDBOX_USER" "$ctx"
-        as_user podman build --quiet --network none --pull-never -t "$tag" "$ctx" >/dev/null
+        as_user podman build --quiet --network none --pull-never --label "prorl.digest=$digest" -t "$tag" "$ctx" >/dev/null
         rm -rf "$ctx"
     fi
 done
+
 # SWE tasks: one image per task, holding a real project's repository at the
 # task's base commit; the sources come from PyPI (pip download) on the host.
-# An image is rebuilt when its task folder changes (the digest label).
 swe() { PYTHONPATH="$ROOT" python3 -m prorl_server.datasets.swe "$@"; }
 for task in "$ROOT"/sandbox_images/swe/tasks/*/; do
     [[ -f "$task/task.json" ]] || continue
     tag="$(swe image "$task")"
-    digest="$(swe digest "$task")"
-    built="$(as_user podman image inspect --format '{{index .Labels "prorl.task-digest"}}' "$tag" 2>/dev/null || true)"
-    if [[ "${FORCE:-0}" == 1 || "$built" != "$digest" ]]; then
+    digest="$( (built localhost/prorl-python:latest; swe digest "$task") | digest_of)"
+    if stale "$tag" "$digest"; then
         echo "build-images: $tag"
         ctx="$(mktemp -d /var/tmp/prorl-ctx.XXXXXX)"
         swe prepare "$task" "$ctx"
         chown -R "$SANDBOX_USER:$SANDBOX_USER" "$ctx"
-        as_user podman build --quiet --network none --pull-never --label "prorl.task-digest=$digest" -t "$tag" "$ctx" >/dev/null
+        as_user podman build --quiet --network none --pull-never --label "prorl.digest=$digest" -t "$tag" "$ctx" >/dev/null
         rm -rf "$ctx"
     fi
 done
