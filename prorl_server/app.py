@@ -51,7 +51,10 @@ class ProrlServer:
         self._podman: PodmanService | None = None
         self._provider: PodmanProvider | None = None
         self._sandboxes: SandboxPools | None = None
-        self._pool = BackendPool(health_interval_s=settings.llm.health_interval_s)
+        self._pool = BackendPool(
+            health_interval_s=settings.llm.health_interval_s,
+            failed_checks_to_evict=settings.llm.health_failures_to_evict,
+        )
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self.manager: JobManager | None = None

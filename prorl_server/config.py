@@ -185,6 +185,9 @@ class LLMSettings(_Section):
     request_timeout_s: float = Field(600.0, gt=0)
     health_interval_s: float = Field(10.0, ge=0)
     """Seconds between backend health checks (0: never); failing backends get no new requests."""
+    health_failures_to_evict: int = Field(2, ge=1)
+    """Health checks a backend must fail in a row to be evicted. A request that cannot
+    connect evicts at once; a check that is merely slow (a busy server) should not."""
     max_retries: int = Field(3, ge=0)
     default_max_tokens: int = Field(512, ge=1)
     default_temperature: float = Field(1.0, ge=0)

@@ -32,6 +32,8 @@ class BackendEntry:
     errors_total: int = 0
     healthy: bool = True
     removed: bool = False
+    failed_checks: int = 0
+    """Health checks failed in a row."""
 
     @property
     def id(self) -> str:
@@ -44,7 +46,7 @@ class BackendEntry:
 
 
 class BackendPool:
-    def __init__(self, *, health_interval_s: float = 10.0) -> None:
+    def __init__(self, *, health_interval_s: float = 10.0, failed_checks_to_evict: int = 1) -> None:
         self._entries: dict[str, BackendEntry] = {}
         self._sticky: dict[str, str] = {}
         self._changed = asyncio.Event()
@@ -54,6 +56,7 @@ class BackendPool:
         self._aborted: set[asyncio.Task[object]] = set()
         self.policy_version = 0
         self._health_interval_s = health_interval_s
+        self._failed_checks_to_evict = failed_checks_to_evict
         self._health_task: asyncio.Task[None] | None = None
 
     # --- membership ------------------------------------------------------------
@@ -190,11 +193,13 @@ class BackendPool:
             self._health_task = asyncio.create_task(self._health_loop(), name="backend-health")
 
     async def check_health(self) -> None:
-        """Evict backends that fail their check; readmit those that pass again."""
+        """Evict backends that fail `failed_checks_to_evict` checks in a row (one slow
+        answer from a busy server is not an outage); readmit one as soon as it passes."""
         entries = list(self._entries.values())
         results = await asyncio.gather(*(e.backend.check_health() for e in entries), return_exceptions=True)
         for entry, ok in zip(entries, results, strict=True):
-            healthy = ok is True
+            entry.failed_checks = 0 if ok is True else entry.failed_checks + 1
+            healthy = entry.failed_checks == 0 or (entry.healthy and entry.failed_checks < self._failed_checks_to_evict)
             if healthy != entry.healthy:
                 log.warning("backend_health_changed", backend=entry.id, healthy=healthy)
                 entry.healthy = healthy

@@ -223,3 +223,23 @@ async def test_weights_share_new_trajectories_by_capacity() -> None:
     big.gate.set()
     small.gate.set()
     await asyncio.gather(*held)
+
+
+async def test_eviction_can_wait_for_failed_checks_in_a_row() -> None:
+    pool = BackendPool(health_interval_s=0, failed_checks_to_evict=2)
+    flaky = FakeBackend("flaky")
+    pool.add(flaky)
+    flaky.healthy = False
+    await pool.check_health()
+    assert (await LLMSession("one-miss", pool).chat(MESSAGES, [], SAMPLING)).backend_id == "flaky"
+    flaky.healthy = True
+    await pool.check_health()  # the count starts again
+    flaky.healthy = False
+    await pool.check_health()
+    assert (await LLMSession("one-miss-again", pool).chat(MESSAGES, [], SAMPLING)).backend_id == "flaky"
+    await pool.check_health()
+    with pytest.raises(LLMError, match="health check"):
+        await LLMSession("two-misses", pool).chat(MESSAGES, [], SAMPLING)
+    flaky.healthy = True
+    await pool.check_health()  # one good answer readmits
+    assert (await LLMSession("back", pool).chat(MESSAGES, [], SAMPLING)).backend_id == "flaky"
