@@ -34,9 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
 
-    demo = commands.add_parser("demo", help="run math rollouts on the embedded model and write trajectories")
+    demo = commands.add_parser("demo", help="run rollouts of every family on the embedded model, write trajectories")
     common(demo)
-    demo.add_argument("--tasks", type=Path, default=Path(__file__).parent / "data" / "math_demo.jsonl")
+    demo.add_argument("--tasks", type=Path, default=Path(__file__).parent / "data" / "demo_tasks.jsonl")
+    demo.add_argument("--swe-tasks", type=int, default=1, help="also run the first N shipped SWE tasks")
     demo.add_argument("--out", type=Path, default=Path("demo_trajectories.jsonl"))
     demo.add_argument("--samples", type=int, default=1, help="rollouts per task (a GRPO group)")
     demo.add_argument("--limit", type=int, default=0, help="use only the first N tasks")

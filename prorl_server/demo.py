@@ -1,4 +1,7 @@
-"""The demo: a batch of math rollouts on the embedded model, live progress, JSONL out.
+"""The demo: rollouts of every task family on the embedded model, live progress, JSONL out.
+
+Math, STEM and code tasks from data/demo_tasks.jsonl, then the first shipped
+SWE task(s) (a real repository in its own image).
 
 Starts a real server (Podman sandboxes, the embedded llama.cpp model) on a
 free port and streams the tasks through it with the client's dataset runner
@@ -16,10 +19,12 @@ from prorl_client.runner import load_tasks, run
 from prorl_client import Client
 from prorl_server.app import ProrlServer
 from prorl_server.config import Settings
+from prorl_server.datasets.swe import load_task, task_dirs, to_task
 
 
 async def run_demo(settings: Settings, args: argparse.Namespace) -> int:
     tasks = load_tasks(args.tasks, "math")
+    tasks += [to_task(load_task(task_dir)) for task_dir in task_dirs()[: args.swe_tasks]]
     if args.limit:
         tasks = tasks[: args.limit]
     for task in tasks:
