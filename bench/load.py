@@ -369,6 +369,7 @@ async def main(args: argparse.Namespace) -> int:
                     "phases.init": concurrency,
                     "phases.run": concurrency,
                     "phases.eval": concurrency,
+                    "jobs.store": args.store,
                     "jobs.store_path": str(Path(store_dir) / "jobs.sqlite"),
                     "jobs.retain_finished": retain,
                     "llm.backends": [{"id": "scripted", "base_url": llm.base_url}],
@@ -518,6 +519,9 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=None, help="warm-up jobs (default: --concurrency)")
     parser.add_argument("--retain", type=int, default=None, help="jobs.retain_finished (default: --warmup)")
     parser.add_argument("--rounds", type=int, default=1, help="measured RolloutStreams, one after the other")
+    parser.add_argument(
+        "--store", action=argparse.BooleanOptionalAction, default=True, help="the durable job store (jobs.store)"
+    )
     parsed = parser.parse_args()
     parsed.warmup = parsed.concurrency if parsed.warmup is None else parsed.warmup
     parsed.retain = parsed.warmup if parsed.retain is None else parsed.retain
