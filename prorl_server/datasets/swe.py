@@ -160,8 +160,8 @@ def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[0] == "prepare":
         prepare(Path(argv[1]), Path(argv[2]))
     elif argv and argv[0] == "pin":
-        for task_dir in argv[1:] or task_dirs():
-            print(task_dir.name if isinstance(task_dir, Path) else task_dir, pin(Path(task_dir)))
+        for task_dir in [Path(arg) for arg in argv[1:]] or task_dirs():
+            print(task_dir.name, pin(task_dir))
     elif len(argv) == 2 and argv[0] == "tasks":
         lines = [json.dumps(to_task(load_task(task_dir))) + "\n" for task_dir in task_dirs()]
         Path(argv[1]).write_text("".join(lines))
