@@ -122,3 +122,19 @@ async def test_an_image_without_the_base_commit_is_an_infrastructure_failure(scr
     assert result.status == v1.JOB_STATUS_FAILED
     assert result.failure.kind == v1.FAILURE_KIND_INFRASTRUCTURE and result.failure.reason == "swe_image_mismatch"
     assert "deadbeef" in result.failure.message
+
+
+async def test_tests_that_hang_are_cut_at_the_eval_time_limit(scripted_llm, start_server) -> None:
+    instance = {**TASKS["kjd__idna-3.8"], "eval_timeout_s": 3}
+    llm = await scripted_llm(
+        script_of(
+            tool_call_text(
+                "str_replace_editor",
+                {"command": "create", "path": "/testbed/conftest.py", "file_text": "import time\ntime.sleep(600)\n"},
+            ),
+            tool_call_text("finish", {}),
+        )
+    )
+    _, client = await start_server(llm.base_url)
+    result, _ = await run_swe(client, instance)
+    assert result.reward == 0.0 and result.details["verdict"] == "tests_timed_out"
