@@ -109,7 +109,10 @@ def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: Handl
         raise InvalidArgument(
             f"instance is {request.instance.ByteSize()} bytes; the limit is {settings.jobs.max_instance_bytes}"
         )
-    instance: dict[str, Any] = MessageToDict(request.instance)
+    try:
+        instance: dict[str, Any] = MessageToDict(request.instance)
+    except ValueError as exc:  # NaN or infinity: JSON, and so the task, cannot carry them
+        raise InvalidArgument(f"instance holds a value JSON cannot represent: {exc}") from None
     handler.validate(instance)
     _labels(request)
     _retry(request, settings)

@@ -37,6 +37,12 @@ def zero_budget() -> v1.RolloutRequest:
     return request
 
 
+def infinite_number() -> v1.RolloutRequest:
+    request = math_request("q")
+    request.instance.update({"answer": float("inf")})  # found by the fuzzer: was INTERNAL
+    return request
+
+
 BAD_SUBMISSIONS = [
     (with_handler("chess"), "unknown handler 'chess'"),
     (with_handler(""), "handler is empty"),
@@ -44,6 +50,7 @@ BAD_SUBMISSIONS = [
     (zero_budget(), "limits.budget must be positive"),
     (math_request("q", max_turns=0), "limits.max_turns"),
     (math_request("q", job_id="spaces are bad"), "job_id"),
+    (infinite_number(), "JSON cannot represent"),
 ]
 
 
