@@ -4,6 +4,7 @@ a proper status code, and a job running meanwhile is unaffected."""
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import grpc
@@ -18,6 +19,8 @@ from tests.helpers import math_request
 pytestmark = pytest.mark.podman
 
 BYSTANDER_QUESTION = "What is 6 * 7?"
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "80"))
+"""Generated requests per run; raise it (e.g. FUZZ_EXAMPLES=2000) for a longer hunt."""
 ACCEPTABLE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED}
 json_leaf = (
     st.none() | st.booleans() | st.integers(-(2**60), 2**60) | st.floats(allow_nan=False) | st.text(max_size=200)
@@ -36,7 +39,7 @@ instances = st.dictionaries(st.text(max_size=30), json_value, max_size=6) | st.f
 def requests(draw: Any) -> v1.RolloutRequest:
     request = v1.RolloutRequest(
         job_id=draw(st.text(max_size=140) | st.from_regex(r"[a-z0-9-]{1,20}", fullmatch=True)),
-        handler=draw(st.sampled_from(["math", "stem", "code", "", "chess"]) | st.text(max_size=30)),
+        handler=draw(st.sampled_from(["math", "stem", "code", "swe", "", "chess"]) | st.text(max_size=30)),
         group_id=draw(st.text(max_size=50)),
         priority=draw(st.integers(-(2**31), 2**31 - 1)),
     )
@@ -98,7 +101,7 @@ async def test_generated_requests_never_break_the_server(scripted_llm, start_ser
     )
     accepted: list[str] = []
 
-    @settings(max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(request=requests() | plausible_requests())
     def check(request: v1.RolloutRequest) -> None:
         outcome = asyncio.run_coroutine_threadsafe(_submit(client, request), loop).result(timeout=30)
