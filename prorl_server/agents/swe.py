@@ -18,12 +18,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import time
 from typing import Any
 
 from prorl_server.agents.base import EvalOutcome, RolloutContext
 from prorl_server.agents.loop import ToolLoopHandler, describe_tools, run_tool_loop
-from prorl_server.agents.tools import BashTool, EditorTool, Tool, ToolOutput
+from prorl_server.agents.tools import BashTool, EditorTool, FinishTool
 from prorl_server.errors import InfrastructureError, InvalidArgument
 from prorl_server.verifiers.swe import judge
 
@@ -52,19 +51,15 @@ USER_PROMPT = """Repository: {repo} (at {repo_dir})
 Make the smallest change to the source that resolves the issue, then call finish."""
 
 
-class SubmitTool(Tool):
-    name = "finish"
+class SubmitTool(FinishTool):
+    """finish without an answer: the repository's state is the submission."""
+
     description = "Stop working: the current changes to the repository are your submission."
     parameters = {
         "type": "object",
         "properties": {"summary": {"type": "string", "description": "Optional: what you changed and why."}},
         "required": [],
     }
-
-    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
-        started = time.perf_counter()
-        ctx.state["finished"] = True
-        return ToolOutput(output="Submitted.", duration_s=time.perf_counter() - started)
 
 
 def node_ids(instance: dict[str, Any], field: str) -> list[str]:

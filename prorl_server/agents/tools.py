@@ -98,7 +98,8 @@ class FinishTool(Tool):
 
     async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
         started = time.perf_counter()
-        ctx.state["answer"] = arguments["answer"]
+        if "answer" in arguments:
+            ctx.state["answer"] = arguments["answer"]
         ctx.state["finished"] = True
         return ToolOutput(output="Answer submitted.", duration_s=time.perf_counter() - started)
 

@@ -11,6 +11,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import structlog
 
@@ -155,15 +156,11 @@ class JobManager:
         for item in stored:
             if item.result is None and item.attempt <= item.request.retry.max_restarts and self._restart(item):
                 continue
-            job = JobRecord(
-                job_id=item.job_id,
-                number=item.number,
-                request=item.request,
-                fingerprint=item.fingerprint,
+            job = _stored_record(
+                item,
                 plan=None,
-                create_time=item.create_time,
                 events=EventLog.restored(item.job_id, item.events),
-                status=item.status,  # type: ignore[arg-type]
+                status=item.status,
                 end_time=item.end_time,
                 result=item.result,
             )
@@ -184,16 +181,7 @@ class JobManager:
         except ProrlError as exc:  # e.g. its handler is gone from this server's build
             log.warning("job_not_restarted", job_id=item.job_id, error=exc.message)
             return False
-        job = JobRecord(
-            job_id=item.job_id,
-            number=item.number,
-            request=item.request,
-            fingerprint=item.fingerprint,
-            plan=plan,
-            create_time=item.create_time,
-            events=EventLog(item.job_id),
-            attempt=item.attempt + 1,
-        )
+        job = _stored_record(item, plan=plan, events=EventLog(item.job_id), attempt=item.attempt + 1)
         self._admit(job)
         log.info("job_restarted", job_id=job.job_id, attempt=job.attempt)
         return True
@@ -308,3 +296,15 @@ def _with_job_id(request: v1.RolloutRequest, job_id: str) -> v1.RolloutRequest:
     copy.CopyFrom(request)
     copy.job_id = job_id
     return copy
+
+
+def _stored_record(item: StoredJob, **fields: Any) -> JobRecord:
+    """A JobRecord with a stored job's identity (id, number, request, creation time)."""
+    return JobRecord(
+        job_id=item.job_id,
+        number=item.number,
+        request=item.request,
+        fingerprint=item.fingerprint,
+        create_time=item.create_time,
+        **fields,
+    )
