@@ -96,6 +96,7 @@ class ProrlServer:
                 runtime_start_timeout_s=box.runtime_start_timeout_s,
                 cgroup_limits=box.cgroup_limits,
                 max_sandboxes=box.max_sandboxes,
+                allow_exec_fallback=box.allow_exec_fallback,
             ),
         )
         await self._provider.start()

@@ -6,6 +6,8 @@ one place, so a client never sees a traceback.
     ProrlError               base; unexpected ones become INTERNAL
       InvalidArgument        the request is malformed      -> INVALID_ARGUMENT
       NotFound               unknown job or backend        -> NOT_FOUND
+      PermissionDenied       refused by server policy      -> PERMISSION_DENIED
+                             (e.g. an image not in sandbox.allowed_images)
       AlreadyExists          id reused for something else  -> ALREADY_EXISTS
       FailedPrecondition     wrong state for the call      -> FAILED_PRECONDITION
       ResourceExhausted      queue or pool full            -> RESOURCE_EXHAUSTED
@@ -14,9 +16,15 @@ one place, so a client never sees a traceback.
         SandboxError         clients as a status: it becomes the job's
         LLMError             failure of kind INFRASTRUCTURE)
       PolicyError            the agent itself broke its rollout (a job failure
-        SandboxLimitExceeded of kind POLICY), e.g. a fork bomb or memory hog
-        ContextLengthExceeded that killed its own sandbox; a conversation too
-                             long for the model (the loop stops there)
+                             of kind POLICY):
+        SandboxBroken        its commands broke their own sandbox: the runtime
+                             killed (runtime_killed), stopped (runtime_stopped)
+                             or cut off (runtime_socket_closed), a disk filled
+                             (disk_full)
+          SandboxLimitExceeded  or its own limits reached (pids_limit, e.g. a
+                             fork bomb; memory_limit, a memory hog)
+        ContextLengthExceeded  a conversation too long for the model (the loop
+                             stops there)
 """
 
 from __future__ import annotations
@@ -40,6 +48,12 @@ class InvalidArgument(ProrlError):
 
 class NotFound(ProrlError):
     reason = "not_found"
+
+
+class PermissionDenied(ProrlError):
+    """Well-formed, but this server's policy forbids it (another server may allow it)."""
+
+    reason = "permission_denied"
 
 
 class AlreadyExists(ProrlError):
@@ -78,7 +92,16 @@ class PolicyError(ProrlError):
     reason = "policy"
 
 
-class SandboxLimitExceeded(PolicyError):
+class SandboxBroken(PolicyError):
+    """What the agent ran broke its own sandbox; `reason` says how (see the tree above).
+    Only raised when the evidence rules out an outside cause (sandbox/blame.py)."""
+
+    reason = "sandbox_broken"
+
+
+class SandboxLimitExceeded(SandboxBroken):
+    """The sandbox ran into its own pids or memory limit (reason pids_limit or memory_limit)."""
+
     reason = "sandbox_limit"
 
 

@@ -162,3 +162,16 @@ async def provider(podman_url: str) -> AsyncIterator[PodmanProvider]:
     yield provider
     await provider.close()
     assert not server_containers(podman_url, instance)
+
+
+@pytest_asyncio.fixture
+async def exec_provider(podman_url: str) -> AsyncIterator[PodmanProvider]:
+    """Like `provider`, with the `podman exec` fallback for images without python3 allowed."""
+    instance = instance_id("exec")
+    provider = PodmanProvider(
+        url_factory=lambda: podman_url, options=podman_options(instance, allow_exec_fallback=True)
+    )
+    await provider.start()
+    yield provider
+    await provider.close()
+    assert not server_containers(podman_url, instance)

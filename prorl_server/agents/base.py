@@ -9,6 +9,7 @@ in a phase goes to that phase's hook, which classifies it.
 from __future__ import annotations
 
 import abc
+import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from prorl_server.agents.recorder import TrajectoryRecorder
 from prorl_server.errors import InfrastructureError, PolicyError
 from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.sandbox.base import Sandbox
+from prorl_server.sandbox.output import cap_text
 
 ChatFn = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]], Sampling], Awaitable[ChatResult]]
 SandboxFactory = Callable[[str | None], Awaitable[Sandbox]]
@@ -29,10 +31,57 @@ class Limits:
     tool_timeout_s: float
 
 
+# A result's details go out in the evaluation event and in the result: each text in them
+# (log tails, a SWE patch) is cut head and tail to MAX_DETAIL_TEXT_BYTES, and all of them
+# together to about MAX_DETAILS_BYTES, so that a result stays readable over gRPC.
+MAX_DETAIL_TEXT_BYTES = 64 << 10
+MAX_DETAILS_BYTES = 256 << 10
+MAX_FAILURE_MESSAGE_BYTES = 4 << 10
+
+
+def _cap_texts(value: Any, limit: int) -> Any:
+    if isinstance(value, str):
+        return cap_text(value, limit)[0]
+    if isinstance(value, dict):
+        return {_cap_texts(str(key), limit): _cap_texts(item, limit) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cap_texts(item, limit) for item in value]
+    return value
+
+
+def _json_bytes(value: Any) -> int:
+    return len(json.dumps(value, default=str).encode())
+
+
+def bound_details(details: dict[str, Any]) -> dict[str, Any]:
+    """`details` with every text cut to MAX_DETAIL_TEXT_BYTES (harder when there are many),
+    and fields that still do not fit MAX_DETAILS_BYTES replaced by a note of their size."""
+    for limit in (MAX_DETAIL_TEXT_BYTES, 1024):
+        bounded: dict[str, Any] = _cap_texts(details, limit)
+        if _json_bytes(bounded) <= MAX_DETAILS_BYTES:
+            return bounded
+    kept: dict[str, Any] = {}
+    room = MAX_DETAILS_BYTES
+    for key, value in sorted(details.items(), key=lambda item: _json_bytes(item[1])):
+        for limit in (MAX_DETAIL_TEXT_BYTES, 1024):
+            candidate = _cap_texts(value, limit)
+            if _json_bytes(candidate) <= room:
+                break
+        else:
+            candidate = f"[omitted: {_json_bytes(value)} bytes of details]"
+        kept[_cap_texts(str(key), 1024)] = candidate
+        room -= _json_bytes(candidate)
+    return kept
+
+
 @dataclass
 class EvalOutcome:
     reward: float
     details: dict[str, Any] = field(default_factory=dict)
+    """Bounded on construction (see `bound_details`)."""
+
+    def __post_init__(self) -> None:
+        self.details = bound_details(self.details)
 
 
 @dataclass
@@ -42,6 +91,9 @@ class FailureInfo:
     infrastructure: bool
     reason: str
     message: str
+
+    def __post_init__(self) -> None:
+        self.message = cap_text(self.message, MAX_FAILURE_MESSAGE_BYTES)[0]
 
 
 class RolloutContext:

@@ -4,7 +4,10 @@ Function instances use HumanEval's fields: `prompt` (signature and
 docstring), `entry_point`, `test` (defines check(candidate)). Program
 instances have `problem` and `tests`, a list of {"input", "output"} pairs.
 Optional `eval_timeout_s` (default 30). The agent submits its code with
-finish; the tests run in a fresh sandbox, never the one the agent used.
+finish; the tests run in a fresh sandbox, never the one the agent used, and
+the verdict comes from the judging harness (see verifiers/code.py): `pass`,
+`fail`, or `no_verdict` when the submission stopped the judging (all but
+`pass` score 0).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from prorl_server.agents.base import EvalOutcome, RolloutContext
 from prorl_server.agents.loop import ToolLoopHandler
 from prorl_server.agents.tools import BashTool, FinishTool, PythonTool
 from prorl_server.errors import InvalidArgument
-from prorl_server.verifiers.code import function_program, run_function_tests, run_stdio_tests
+from prorl_server.verifiers.code import run_function_tests, run_stdio_tests
 
 SYSTEM_PROMPT = """You write correct Python 3 code. You may run code in a sandbox to test it.
 
@@ -82,8 +85,14 @@ class CodeHandler(ToolLoopHandler):
         sandbox = await ctx.open_sandbox()  # fresh: nothing the agent left behind can affect the tests
         timeout = float(instance.get("eval_timeout_s", DEFAULT_EVAL_TIMEOUT_S))
         if self.style(instance) == "function":
-            program = function_program(instance["prompt"], str(answer), instance["test"], instance["entry_point"])
-            passed, result = await run_function_tests(sandbox, program, timeout)
+            passed, result = await run_function_tests(
+                sandbox,
+                prompt=instance["prompt"],
+                answer=str(answer),
+                test=instance["test"],
+                entry_point=instance["entry_point"],
+                timeout_s=timeout,
+            )
         else:
             passed, result = await run_stdio_tests(sandbox, str(answer), instance["tests"], timeout)
-        return EvalOutcome(1.0 if passed else 0.0, {**details, **result, "verdict": "pass" if passed else "fail"})
+        return EvalOutcome(1.0 if passed else 0.0, {**details, **result})

@@ -23,7 +23,7 @@ from typing import Any
 from prorl_server.agents.base import EvalOutcome, RolloutContext
 from prorl_server.agents.loop import ToolLoopHandler, describe_tools, run_tool_loop
 from prorl_server.agents.tools import BashTool, EditorTool, FinishTool
-from prorl_server.errors import InfrastructureError, InvalidArgument
+from prorl_server.errors import InfrastructureError, InvalidArgument, PolicyError
 from prorl_server.verifiers.swe import judge
 
 DEFAULT_REPO_DIR = "/testbed"
@@ -144,7 +144,11 @@ class SWEHandler(ToolLoopHandler):
             f"cd {shlex.quote(repo_dir)} && git add -A && git diff --cached --binary {base} > {out}", timeout_s=120
         )
         if result.exit_code != 0:
-            raise InfrastructureError(f"git diff failed in the sandbox: {result.output[-500:]}", reason="swe_diff")
+            # Init saw git work at base_commit, and since then only the agent's commands
+            # ran here: a diff that fails now (.git deleted, /tmp full) is the policy's doing.
+            raise PolicyError(
+                f"git diff of the agent's repository failed: {result.output[-500:]}", reason="swe_diff_failed"
+            )
         return (await ctx.sandbox.read_file(out, max_bytes=MAX_PATCH_BYTES + 1)).decode(errors="replace")
 
     async def evaluate(self, ctx: RolloutContext) -> EvalOutcome:

@@ -10,7 +10,7 @@ import grpc
 
 from prorl_client import v1
 from prorl_server.api.errors import status_code
-from prorl_server.errors import ProrlError
+from prorl_server.errors import InvalidArgument, ProrlError
 from prorl_server.jobs.manager import JobManager
 
 # Responses buffered per RolloutStream before its watchers wait for the client.
@@ -36,16 +36,29 @@ class RolloutServicer(v1.RolloutServiceServicer):
         Leaving the stream (client gone) stops only the forwarding: the jobs
         go on and can be watched again.
         """
-        out: asyncio.Queue[v1.RolloutStreamResponse | None] = asyncio.Queue(STREAM_BUFFER)
+        out: asyncio.Queue[v1.RolloutStreamResponse | InvalidArgument | None] = asyncio.Queue(STREAM_BUFFER)
         watched: set[str] = set()
 
         async def forward(job_id: str) -> None:
             async for event in self._manager.watch(job_id):
                 await out.put(v1.RolloutStreamResponse(event=event))
 
+        async def requests() -> AsyncIterator[v1.RolloutStreamRequest]:
+            """The client's requests; one that cannot be read ends the stream with a status."""
+            try:
+                async for item in request_iterator:
+                    yield item
+            except Exception as exc:  # e.g. bytes that are not a RolloutStreamRequest
+                await out.put(
+                    InvalidArgument(
+                        f"a message on the request stream could not be read ({type(exc).__name__}); "
+                        "the stream is closed, jobs it already submitted go on and can be watched"
+                    )
+                )
+
         async def pump() -> None:
             async with asyncio.TaskGroup() as forwarders:
-                async for item in request_iterator:
+                async for item in requests():
                     try:
                         job, _ = self._manager.submit(item.rollout)
                     except ProrlError as exc:
@@ -62,6 +75,8 @@ class RolloutServicer(v1.RolloutServiceServicer):
         pump_task = asyncio.create_task(pump())
         try:
             while (response := await out.get()) is not None:
+                if isinstance(response, InvalidArgument):
+                    raise response
                 yield response
             await pump_task
         finally:

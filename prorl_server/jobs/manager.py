@@ -31,7 +31,8 @@ from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
 from prorl_server.jobs.store import SQLiteJobStore, StoredJob
-from prorl_server.jobs.validation import check_job_id, resolve_plan
+from prorl_server.jobs.uninterruptible import uninterruptible
+from prorl_server.jobs.validation import check_cancel_reason, check_job_id, resolve_plan
 from prorl_server.llm.router import BackendPool
 from prorl_server.metrics import Metrics
 from prorl_server.sandbox.pool import SandboxPools
@@ -125,17 +126,27 @@ class JobManager:
         return job
 
     async def _run(self, job: JobRecord) -> None:
+        job.started = True
         structlog.contextvars.bind_contextvars(job_id=job.job_id, handler=job.request.handler)
         try:
             if self._store is not None:
-                await self._store.submitted(
-                    job.job_id, job.number, job.request, job.fingerprint, job.create_time, job.attempt
-                )
+                try:
+                    await uninterruptible(
+                        self._store.submitted(
+                            job.job_id, job.number, job.request, job.fingerprint, job.create_time, job.attempt
+                        )
+                    )
+                except asyncio.CancelledError:
+                    # Cancelled this early: the pipeline sees cancel_reason and ends the job as cancelled.
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
             await self._pipeline.execute(job)
         finally:
-            if self._store is not None and job.result is not None:
-                await asyncio.shield(self._persist(job))
-            self._retire(job)
+            await uninterruptible(self._conclude(job))
+
+    async def _conclude(self, job: JobRecord) -> None:
+        if self._store is not None and job.result is not None:
+            await self._persist(job)
+        self._retire(job)
 
     async def _persist(self, job: JobRecord) -> None:
         assert self._store is not None and job.result is not None
@@ -263,13 +274,24 @@ class JobManager:
 
     async def cancel(self, job_id: str, reason: str = "") -> JobRecord:
         """Cancel a job and wait until its sandboxes are gone."""
+        check_cancel_reason(reason)
         job = self.get(job_id)
         if job.finished or job.task is None:
             return job
-        job.cancel_reason = reason or "cancelled by the client"
-        job.task.cancel()
+        self._request_cancel(job, reason or "cancelled by the client")
         await asyncio.wait({job.task}, timeout=CANCEL_WAIT_S)
         return job
+
+    @staticmethod
+    def _request_cancel(job: JobRecord, reason: str) -> None:
+        """Cancel a job once: later requests (a second Cancel, shutdown) only wait.
+        A job whose task has not started yet is ended by the pipeline on its first
+        step, which sees cancel_reason; cancelling that task now would skip its cleanup."""
+        if job.cancel_reason is not None:
+            return
+        job.cancel_reason = reason
+        if job.started and job.task is not None:
+            job.task.cancel()
 
     def stats(self) -> dict[str, object]:
         by_status: dict[int, int] = collections.Counter(job.status for job in self._jobs.values())
@@ -285,8 +307,7 @@ class JobManager:
             await asyncio.wait(tasks, timeout=grace_s)
         for job in self._jobs.values():
             if job.task is not None and not job.task.done():
-                job.cancel_reason = "the server is shutting down"
-                job.task.cancel()
+                self._request_cancel(job, "the server is shutting down")
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 

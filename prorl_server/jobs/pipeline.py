@@ -23,6 +23,7 @@ from prorl_server.agents.base import EvalOutcome, FailureInfo, RolloutContext
 from prorl_server.agents.recorder import TrajectoryRecorder, duration
 from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.record import JobRecord
+from prorl_server.jobs.uninterruptible import uninterruptible
 from prorl_server.llm.router import BackendPool
 from prorl_server.llm.session import LLMSession
 from prorl_server.metrics import Metrics
@@ -102,6 +103,8 @@ class Pipeline:
         ]
         used_s = 0.0
         try:
+            if job.cancel_reason is not None:  # cancelled before it started to run
+                raise asyncio.CancelledError
             for phase, step, on_error in phases:
                 waited = time.monotonic()
                 async with self.gates[phase].slot(plan.priority):
@@ -154,9 +157,10 @@ class Pipeline:
             outcome.failure = v1.Failure(
                 phase=job.phase, reason="cancelled", message=job.cancel_reason or "the job was cancelled"
             )
-            await self._finish(job, ctx, session, outcome)
+            await uninterruptible(self._finish(job, ctx, session, outcome))
             raise
-        await self._finish(job, ctx, session, outcome)
+        # A Cancel that lands now finds the job cleaning up: its outcome stands.
+        await uninterruptible(self._finish(job, ctx, session, outcome))
 
     async def _finish(self, job: JobRecord, ctx: RolloutContext, session: LLMSession, outcome: _Outcome) -> None:
         cleanup_started = time.monotonic()

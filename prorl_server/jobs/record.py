@@ -62,6 +62,9 @@ class JobRecord:
     """Runs so far, counting this one; above 1 after restarts (RolloutRequest.retry)."""
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     cancel_reason: str | None = None
+    """Set by the first cancel request; later ones only wait for the job to end."""
+    started: bool = False
+    """The job's task has begun to run (before that, cancelling the task would skip its cleanup)."""
 
     @property
     def finished(self) -> bool:

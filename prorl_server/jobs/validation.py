@@ -1,7 +1,8 @@
 """Checking a RolloutRequest and filling in the server's defaults.
 
 Every refusal is an InvalidArgument whose message names the field and says
-what would be accepted.
+what would be accepted; an image outside sandbox.allowed_images (named by the
+request or by the task instance) is a PermissionDenied.
 """
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ from prorl_client import v1
 from prorl_server.agents.base import Limits
 from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.config import Settings
-from prorl_server.errors import FailedPrecondition, InvalidArgument
+from prorl_server.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from prorl_server.jobs.record import JobPlan
 from prorl_server.llm.base import Sampling
 
 JOB_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MAX_LABELS = 64
 MAX_LABEL_CHARS = 256
+# Fields that are stored, listed back or sent on to a backend have a size, so
+# that one request can neither bloat the store nor every ListJobs page.
+MAX_GROUP_ID_CHARS = 256
+MAX_MODEL_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_MAX_TOKENS = 1 << 20
+MAX_CANCEL_REASON_CHARS = 1024
 
 
 def check_job_id(job_id: str) -> None:
@@ -42,8 +51,17 @@ def _sampling(request: v1.RolloutRequest, settings: Settings) -> Sampling:
     if top_p is not None and not 0 < top_p <= 1:
         raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {top_p}")
     max_tokens = params.max_tokens if params.HasField("max_tokens") else settings.llm.default_max_tokens
-    if max_tokens < 1:
-        raise InvalidArgument(f"sampling.max_tokens must be at least 1, got {max_tokens}")
+    if not 1 <= max_tokens <= MAX_MAX_TOKENS:
+        raise InvalidArgument(f"sampling.max_tokens must be between 1 and {MAX_MAX_TOKENS}, got {max_tokens}")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"sampling.stop holds {len(params.stop)} strings; at most {MAX_STOP_STRINGS}")
+    for stop in params.stop:
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            raise InvalidArgument(
+                f"sampling.stop strings must be 1-{MAX_STOP_CHARS} characters, got one of {len(stop)}"
+            )
+    if len(params.model) > MAX_MODEL_CHARS:
+        raise InvalidArgument(f"sampling.model is {len(params.model)} characters; at most {MAX_MODEL_CHARS}")
     return Sampling(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -51,6 +69,7 @@ def _sampling(request: v1.RolloutRequest, settings: Settings) -> Sampling:
         stop=tuple(params.stop),
         seed=params.seed if params.HasField("seed") else None,
         model=params.model,
+        chat_template_kwargs=MessageToDict(params.chat_template_kwargs),
     )
 
 
@@ -66,7 +85,7 @@ def _budget(request: v1.RolloutRequest, settings: Settings) -> float:
     return budget
 
 
-def _limits(request: v1.RolloutRequest, settings: Settings) -> Limits:
+def _limits(request: v1.RolloutRequest, settings: Settings, budget_s: float) -> Limits:
     jobs = settings.jobs
     limits = request.limits
     max_turns = limits.max_turns if limits.HasField("max_turns") else jobs.default_max_turns
@@ -77,10 +96,23 @@ def _limits(request: v1.RolloutRequest, settings: Settings) -> Limits:
         tool_timeout = _seconds(limits.tool_timeout)
         if tool_timeout <= 0:
             raise InvalidArgument(f"limits.tool_timeout must be positive, got {tool_timeout:g}s")
+        if tool_timeout > budget_s:
+            raise InvalidArgument(
+                f"limits.tool_timeout {tool_timeout:g}s exceeds the job's budget of {budget_s:g}s; "
+                "a tool call cannot outlast the job"
+            )
+    tool_timeout = min(tool_timeout, budget_s)
     return Limits(max_turns=max_turns, tool_timeout_s=tool_timeout)
 
 
+def check_cancel_reason(reason: str) -> None:
+    if len(reason) > MAX_CANCEL_REASON_CHARS:
+        raise InvalidArgument(f"reason is {len(reason)} characters; at most {MAX_CANCEL_REASON_CHARS}")
+
+
 def _labels(request: v1.RolloutRequest) -> None:
+    if len(request.group_id) > MAX_GROUP_ID_CHARS:
+        raise InvalidArgument(f"group_id is {len(request.group_id)} characters; at most {MAX_GROUP_ID_CHARS}")
     if len(request.labels) > MAX_LABELS:
         raise InvalidArgument(f"at most {MAX_LABELS} labels, got {len(request.labels)}")
     for key, value in request.labels.items():
@@ -99,6 +131,19 @@ def _retry(request: v1.RolloutRequest, settings: Settings) -> None:
         raise FailedPrecondition(
             "retry.max_restarts needs the durable job store, which this server runs without (jobs.store = false)"
         )
+
+
+def _image(image: str, settings: Settings) -> str:
+    """The image a job's sandboxes start from, if this server allows it (the request's,
+    else the task instance's, else the default): an allow-list, because an image is code
+    the server runs and it decides which sandbox mode and limits apply."""
+    if not settings.sandbox.image_allowed(image):
+        raise PermissionDenied(
+            f"sandbox image {image[:200]!r} is not allowed on this server; allowed: "
+            f"{', '.join(settings.sandbox.allowed_images)} (setting sandbox.allowed_images)",
+            reason="image_not_allowed",
+        )
+    return image
 
 
 def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: HandlerRegistry) -> JobPlan:
@@ -127,13 +172,14 @@ def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: Handl
     pids = spec.pids_limit if spec.HasField("pids_limit") else box.pids_limit
     if not 8 <= pids <= 65536:
         raise InvalidArgument(f"sandbox.pids_limit must be between 8 and 65536, got {pids}")
+    budget_s = _budget(request, settings)
     return JobPlan(
         handler=handler,
         instance=instance,
-        limits=_limits(request, settings),
+        limits=_limits(request, settings, budget_s),
         sampling=_sampling(request, settings),
-        budget_s=_budget(request, settings),
-        image=spec.image or handler.image_for(instance) or box.default_image,
+        budget_s=budget_s,
+        image=_image(spec.image or handler.image_for(instance) or box.default_image, settings),
         cpus=cpus,
         memory_mib=memory,
         pids_limit=pids,

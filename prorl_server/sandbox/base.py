@@ -39,6 +39,22 @@ class CommandResult:
     """Python raised, or the editor refused: the output says why."""
 
 
+@dataclass(frozen=True)
+class JudgeResult:
+    """How a run of the judging harness (runtime/prorl_judge.py) ended."""
+
+    verdict: dict[str, Any] | None
+    """What the harness wrote on its verdict pipe; None when it gave none (killed,
+    crashed, timed out): the judged code cannot write here, only prevent it."""
+    problem: str = ""
+    """Why there is no verdict."""
+    output: str = ""
+    """The harness's log, with what the judged code printed: for humans, never judged."""
+    exit_code: int | None = None
+    timed_out: bool = False
+    duration_s: float = 0.0
+
+
 class Sandbox(abc.ABC):
     """A started container. `close()` removes it; it is idempotent."""
 
@@ -79,6 +95,12 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     async def health(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    async def judge(self, mode: str, spec: Mapping[str, Any], *, timeout_s: float) -> JudgeResult:
+        """Run the trusted judging harness in `mode` ("function", "stdio", "swe") on
+        `spec`; it is killed with everything it started after timeout_s. Its verdict
+        comes back on a channel the judged code can neither reach nor forge."""
 
     @abc.abstractmethod
     async def close(self) -> None: ...

@@ -4,7 +4,9 @@ Rootless Podman cannot apply cgroup limits on cgroup v1 (it ignores them with
 a warning). When the server runs as root it can: it creates one group per
 sandbox in the v1 memory, cpu and pids hierarchies, under its own groups,
 writes the limits and moves the container's processes in. Every process the
-in-sandbox runtime starts afterwards inherits the groups. On a cgroup v2 host
+in-sandbox runtime starts afterwards inherits the groups; a `podman exec`
+command does not (Podman starts it outside), so the exec fallback's commands
+wait until `adopt` has moved them in. On a cgroup v2 host
 Podman enforces the limits itself and this class stands aside.
 """
 
@@ -77,17 +79,65 @@ class CgroupV1Limiter:
         (groups["cpu"] / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
         (groups["cpu"] / "cpu.cfs_quota_us").write_text(str(max(int(cpus * CPU_PERIOD_US), 1000)))
         (groups["pids"] / "pids.max").write_text(str(pids))
+        # The root first: what it forks from then on is born inside; then what it had forked.
+        for group in groups.values():
+            with contextlib.suppress(ProcessLookupError):
+                (group / "cgroup.procs").write_text(str(pid))
         for process in _descendants(pid):
             for group in groups.values():
                 with contextlib.suppress(ProcessLookupError):
                     (group / "cgroup.procs").write_text(str(process))
 
+    def adopt(self, name: str, init_pid: int, marker: bytes) -> bool:
+        """Move every process of the sandbox's pid namespace (the one of its `init_pid`)
+        that is outside the sandbox's groups into them (blocking: call from a thread).
+
+        `podman exec` starts its command outside these groups: the exec fallback runs
+        each command under a wrapper that waits until it is inside, and calls this until
+        the wrapper, found by the `marker` in its command line, has been moved.
+        Returns True once a process carrying `marker` is inside the groups."""
+        try:
+            namespace = os.readlink(f"/proc/{init_pid}/ns/pid")
+        except OSError:
+            return False  # the container is gone: the exec fails on its own
+        if init_pid <= 0 or namespace == os.readlink("/proc/self/ns/pid"):
+            raise ValueError(f"pid {init_pid} is not in a sandbox's own pid namespace")
+        groups = [self._parents[c] / name for c in CONTROLLERS]
+        suffix = f"/{name}"
+        found = False
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") != namespace:
+                    continue
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                inside = {
+                    controller
+                    for line in Path(f"/proc/{entry}/cgroup").read_text().splitlines()
+                    for controller in line.split(":", 2)[1].split(",")
+                    if line.endswith(suffix)
+                }
+                for controller, group in zip(CONTROLLERS, groups, strict=True):
+                    if controller not in inside:
+                        (group / "cgroup.procs").write_text(entry)
+            except (OSError, IndexError):  # the process exited meanwhile
+                continue
+            found = found or marker in cmdline
+        return found
+
     def limits_hit(self, name: str) -> list[str]:
         """Which limits the sandbox has run into, e.g. ["memory", "pids"] (blocking)."""
         hit = []
         memory = self._parents["memory"] / name
-        if memory.is_dir() and int((memory / "memory.failcnt").read_text() or 0) > 0:
-            hit.append("memory")
+        # An OOM kill, not failcnt (which also counts page cache reclaimed at the limit),
+        # where the kernel counts them (4.13 and later).
+        if memory.is_dir():
+            oom = (memory / "memory.oom_control").read_text().splitlines()
+            kills = [int(line.split()[1]) for line in oom if line.startswith("oom_kill ")]
+            counter = kills[0] if kills else int((memory / "memory.failcnt").read_text() or 0)
+            if counter > 0:
+                hit.append("memory")
         events = self._parents["pids"] / name / "pids.events"
         if events.exists() and any(
             line.split()[0] == "max" and int(line.split()[1]) > 0 for line in events.read_text().splitlines()

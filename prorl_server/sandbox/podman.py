@@ -7,7 +7,14 @@ server's label.
 
 A container starts the in-sandbox runtime (bind-mounted read-only) listening
 on a Unix socket in a per-sandbox folder the server created; the server talks
-to it over that socket. An image without python3 falls back to `podman exec`.
+to it over that socket. An image without python3 is refused, or served by
+`podman exec` when the operator allows that fallback.
+
+Every container runs with no capabilities, `no_new_privileges` (setuid
+binaries gain nothing) and the seccomp profile shipped beside this module:
+Podman's default one, except that no user namespace can be created inside
+(unshare/clone with CLONE_NEWUSER fail with EPERM, clone3 with ENOSYS so that
+libc falls back to clone).
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ from podman.errors import NotFound
 
 from prorl_server.errors import SandboxError
 from prorl_server.sandbox.base import Sandbox, SandboxProvider, SandboxSpec
+from prorl_server.sandbox.blame import HostInspector, HostView
 from prorl_server.sandbox.cgroups import CgroupV1Limiter
-from prorl_server.sandbox.exec_sandbox import ExecSandbox
+from prorl_server.sandbox.exec_sandbox import Confinement, ExecSandbox
 from prorl_server.sandbox.idmap import host_id
-from prorl_server.sandbox.runtime import RUNTIME_FILE
+from prorl_server.sandbox.runtime import JUDGE_FILE, RUNTIME_FILE
 from prorl_server.sandbox.runtime.client import RuntimeClient
 from prorl_server.sandbox.runtime_sandbox import RuntimeSandbox
 
@@ -53,6 +61,7 @@ SOCKET_NAME = "rt.sock"
 USER_NPROC_CEILING = 4096
 # Exit code of a shell that could not find the command (no python3 in the image).
 COMMAND_NOT_FOUND = 127
+SECCOMP_PROFILE = Path(__file__).with_name("seccomp.json")
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,8 @@ class PodmanOptions:
     cgroup_limits: bool
     max_sandboxes: int = 0
     """Containers held at once, from creation until removal is done; 0: no limit."""
+    allow_exec_fallback: bool = False
+    """Serve images without python3 by `podman exec`; False: refuse them."""
 
 
 class PodmanProvider(SandboxProvider):
@@ -78,12 +89,15 @@ class PodmanProvider(SandboxProvider):
         self._url_factory = url_factory
         self._options = options
         self._pool = ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="podman")
+        # Moves exec'd commands into their groups while `podman exec` calls hold the pool's threads.
+        self._adopter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cgroups")
         self._client: PodmanClient | None = None
         self._live: set[str] = set()
         self._slots = asyncio.Semaphore(options.max_sandboxes) if options.max_sandboxes else None
         self._background: set[asyncio.Future[Any]] = set()
         self._exec_only_images: set[str] = set()
         self._runtime_dir = options.state_dir / "runtime"
+        self._seccomp_profile = options.state_dir / SECCOMP_PROFILE.name
         self._sockets_dir = options.state_dir / "sockets" / options.instance_id
         self._limiter: CgroupV1Limiter | None = None
 
@@ -127,12 +141,17 @@ class PodmanProvider(SandboxProvider):
         for folder in (self._options.state_dir, self._runtime_dir, self._sockets_dir.parent):
             folder.mkdir(parents=True, exist_ok=True)
             folder.chmod(0o755)
-        staged = self._runtime_dir / RUNTIME_FILE.name
-        if not staged.exists() or staged.read_bytes() != RUNTIME_FILE.read_bytes():
-            temporary = staged.with_suffix(f".{os.getpid()}.tmp")
-            shutil.copyfile(RUNTIME_FILE, temporary)
-            temporary.chmod(0o644)
-            temporary.replace(staged)
+        # The seccomp profile is read by Podman (the sandbox user), outside any container.
+        for source, staged in (
+            (RUNTIME_FILE, self._runtime_dir / RUNTIME_FILE.name),
+            (JUDGE_FILE, self._runtime_dir / JUDGE_FILE.name),
+            (SECCOMP_PROFILE, self._seccomp_profile),
+        ):
+            if not staged.exists() or staged.read_bytes() != source.read_bytes():
+                temporary = staged.with_suffix(f".{os.getpid()}.tmp")
+                shutil.copyfile(source, temporary)
+                temporary.chmod(0o644)
+                temporary.replace(staged)
         shutil.rmtree(self._sockets_dir, ignore_errors=True)
         self._sockets_dir.mkdir(parents=True)
         self._sockets_dir.chmod(0o755)
@@ -174,14 +193,23 @@ class PodmanProvider(SandboxProvider):
                 {"Name": "nofile", "Soft": 1024, "Hard": 1024},
             ],
             "cap_drop": ["ALL"],
-            "security_opt": ["no-new-privileges"],
+            # podman-py sends `security_opt` as SELinux options: these are the API's own fields.
+            "no_new_privileges": True,
+            "seccomp_profile_path": str(self._seccomp_profile),
             "mounts": [{"type": "tmpfs", "target": "/tmp", "size": f"{options.tmp_mib}m", "mode": "1777"}],
         }
         if runtime:
             # Exit 127 when the image has no python3: the caller falls back to exec.
+            # The runtime is the container's init itself (`--init`, no catatonit): PID 1
+            # cannot be signalled from inside, so it outlives whatever the agent does to
+            # the runtime it serves from, and the server can tell that apart (blame.py).
+            kwargs["init"] = False
+            # Removal kills at once: a SIGTERM that lands while PID 1 is still starting (the
+            # shell, or Python before it waits for signals) is dropped, as for any init.
+            kwargs["stop_timeout"] = 0
             kwargs["command"] = [
                 "/bin/sh", "-c", 'command -v python3 >/dev/null 2>&1 || exit 127; exec python3 "$@"', "sh",
-                f"{RUNTIME_MOUNT}/{RUNTIME_FILE.name}", "serve",
+                f"{RUNTIME_MOUNT}/{RUNTIME_FILE.name}", "serve", "--init",
                 "--socket", f"{SOCKET_MOUNT}/{SOCKET_NAME}", "--workdir", options.workdir,
             ]  # fmt: skip
             kwargs["mounts"] += [
@@ -194,13 +222,25 @@ class PodmanProvider(SandboxProvider):
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         runtime = spec.image not in self._exec_only_images
+        if not runtime and not self._options.allow_exec_fallback:
+            raise self._without_python(spec.image)
         sandbox = await self._create(spec, runtime=runtime)
-        if sandbox is None:  # the image has no python3: remember, and fall back
+        if sandbox is None:  # the image has no python3: remember, and fall back (or refuse)
             self._exec_only_images.add(spec.image)
+            if not self._options.allow_exec_fallback:
+                raise self._without_python(spec.image)
             log.warning("image_without_python3", image=spec.image, fallback="podman exec")
             sandbox = await self._create(spec, runtime=False)
         assert sandbox is not None
         return sandbox
+
+    @staticmethod
+    def _without_python(image: str) -> SandboxError:
+        return SandboxError(
+            f"sandbox image {image!r} has no python3, which the sandbox runtime needs; this server does not "
+            "serve such images by `podman exec` (setting sandbox.allow_exec_fallback)",
+            reason="sandbox_image_without_python",
+        )
 
     async def _create(self, spec: SandboxSpec, *, runtime: bool) -> Sandbox | None:
         name = f"prorl-{self._options.instance_id}-{secrets.token_hex(6)}"
@@ -254,7 +294,11 @@ class PodmanProvider(SandboxProvider):
 
         if not runtime:
             return ExecSandbox(
-                container, run_in_thread=self.call, max_output_bytes=self._options.max_output_bytes, remove=remove
+                container,
+                run_in_thread=self.call,
+                max_output_bytes=self._options.max_output_bytes,
+                remove=remove,
+                confinement=self._confinement(name, int(container.attrs["State"].get("Pid") or 0)),
             )
         try:
             client = await self._connect_runtime(name, container)
@@ -264,6 +308,21 @@ class PodmanProvider(SandboxProvider):
         if client is None:
             await self.remove(name)
             return None
+        try:
+            inspector = await self._inspector(name, int(container.attrs["State"].get("Pid") or 0))
+        except BaseException:  # e.g. the job was cancelled meanwhile: the container must not outlive it
+            await client.close()
+            await self.remove(name)
+            raise
+        return RuntimeSandbox(
+            name, client, max_output_bytes=self._options.max_output_bytes, remove=remove, inspector=inspector
+        )
+
+    async def _inspector(self, name: str, init_pid: int) -> HostInspector:
+        """What blame looks at when a call to this sandbox's runtime fails (see blame.py)."""
+        view = await self.call(lambda: HostView.find(init_pid, f"{RUNTIME_FILE.name} serve"))
+        if view is None:
+            log.warning("sandbox_processes_not_visible", container=name, pid=init_pid)
 
         async def limits_hit() -> list[str]:
             limiter = self._limiter
@@ -272,14 +331,36 @@ class PodmanProvider(SandboxProvider):
         async def describe() -> str:
             return await self.describe(name)
 
-        return RuntimeSandbox(
-            name,
-            client,
-            max_output_bytes=self._options.max_output_bytes,
-            remove=remove,
+        async def writable_layer_bytes() -> int:
+            def size() -> int:
+                response = self.client.api.get(f"/containers/{name}/json", params={"size": "true"})
+                response.raise_for_status()
+                return int(response.json().get("SizeRw") or 0)
+
+            try:
+                return await self.call(size)
+            except Exception:  # not knowing means not blaming the agent
+                return 0
+
+        return HostInspector(
+            view,
             limits_hit=limits_hit,
             describe=describe,
+            writable_layer_bytes=writable_layer_bytes,
+            run_in_thread=self.call,
         )
+
+    def _confinement(self, name: str, init_pid: int) -> Confinement | None:
+        """How exec'd commands enter the server-made groups; None where Podman applies the limits."""
+        limiter = self._limiter
+        if limiter is None:
+            return None
+
+        async def adopt(marker: bytes) -> bool:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._adopter, limiter.adopt, name, init_pid, marker)
+
+        return Confinement(group=name, adopt=adopt)
 
     async def describe(self, name: str) -> str:
         """The container's state and last log lines, for error messages."""
@@ -394,3 +475,4 @@ class PodmanProvider(SandboxProvider):
                 self._client.close()
                 self._client = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._adopter.shutdown(wait=False, cancel_futures=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from prorl_server.errors import SandboxError
+from prorl_server.errors import SandboxBroken, SandboxError
 from prorl_server.sandbox.base import Sandbox, SandboxProvider, SandboxSpec
 
 log = structlog.get_logger(__name__)
@@ -67,7 +67,7 @@ class WarmPool:
                 async with asyncio.timeout(HEALTH_TIMEOUT_S):
                     await sandbox.health()
                 return sandbox
-            except (SandboxError, TimeoutError):
+            except (SandboxError, SandboxBroken, TimeoutError):  # no agent has run in it yet: not the job's
                 log.warning("warm_sandbox_unhealthy", sandbox=sandbox.id)
                 await sandbox.close()
         return None

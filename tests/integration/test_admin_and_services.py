@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -38,6 +39,24 @@ async def test_health_serving_and_reflection_lists_services(scripted_llm, start_
         responses = [r async for r in reflection.ServerReflectionInfo(iter([request]))]
         names = {s.name for s in responses[0].list_services_response.service}
         assert {"prorl.v1.RolloutService", "prorl.v1.AdminService"} <= names
+
+
+async def test_health_watch_streams_the_serving_status(scripted_llm, start_server) -> None:
+    """grpc.health.v1.Health/Watch works (it failed with INTERNAL: the error
+    interceptor took its coroutine handler for an async generator)."""
+    llm = await scripted_llm(finish_at_once)
+    server, _ = await start_server(llm.base_url)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service, expected in (
+            ("prorl.v1.RolloutService", health_pb2.HealthCheckResponse.SERVING),
+            ("no.such.Service", health_pb2.HealthCheckResponse.SERVICE_UNKNOWN),
+        ):
+            call = health.Watch(health_pb2.HealthCheckRequest(service=service))
+            async with asyncio.timeout(10):
+                first = await call.read()
+            call.cancel()
+            assert first.status == expected
 
 
 async def test_backends_can_be_added_listed_and_removed(scripted_llm, start_server) -> None:

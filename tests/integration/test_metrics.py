@@ -30,7 +30,9 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 async def test_counters_match_the_jobs_run(scripted_llm, start_server) -> None:
     llm = await scripted_llm(python_then_finish)
-    server, client = await start_server(llm.base_url, server={"metrics_port": 0})
+    server, client = await start_server(
+        llm.base_url, server={"metrics_port": 0}, sandbox={"allowed_images": ["localhost/prorl-*"]}
+    )
     for i in range(3):
         events = [e async for e in client.rollout(math_request("What is 6 * 7?", "42", job_id=f"m{i}"))]
         assert events[-1].finished.result.reward == 1.0

@@ -254,9 +254,9 @@ async def test_list_jobs_filters_and_pages(scripted_llm, start_server) -> None:
 
 async def test_sandbox_failure_is_an_infrastructure_failure(scripted_llm, start_server) -> None:
     llm = await scripted_llm(lambda messages: ScriptedReply(tool_call_text("finish", {"answer": "1"})))
-    _, client = await start_server(llm.base_url)
+    _, client = await start_server(llm.base_url, sandbox={"allowed_images": ["localhost/prorl-*"]})
     request = math_request("q", "1")
-    request.sandbox.image = "localhost/prorl-no-such-image:latest"
+    request.sandbox.image = "localhost/prorl-no-such-image:latest"  # allowed, but never built
 
     events = await collect(client.rollout(request))
 

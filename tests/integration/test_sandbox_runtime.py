@@ -188,7 +188,8 @@ async def test_editor_errors_tell_the_agent_what_to_do(provider: PodmanProvider)
     await sandbox.close()
 
 
-async def test_image_without_python_falls_back_to_podman_exec(provider: PodmanProvider) -> None:
+async def test_image_without_python_falls_back_to_podman_exec(exec_provider: PodmanProvider) -> None:
+    provider = exec_provider  # the operator allows the fallback (sandbox.allow_exec_fallback)
     sandbox = await provider.create(small_spec("localhost/prorl-no-python:latest"))
     assert sandbox.mode == "exec"
     result = await sandbox.bash("echo via exec; id -u", timeout_s=10)

@@ -128,10 +128,8 @@ async def test_tests_that_hang_are_cut_at_the_eval_time_limit(scripted_llm, star
     instance = {**TASKS["kjd__idna-3.8"], "eval_timeout_s": 3}
     llm = await scripted_llm(
         script_of(
-            tool_call_text(
-                "str_replace_editor",
-                {"command": "create", "path": "/testbed/conftest.py", "file_text": "import time\ntime.sleep(600)\n"},
-            ),
+            # In the code under test: a conftest.py would be reverted before the tests run.
+            tool_call_text("bash", {"command": "echo 'import time; time.sleep(600)' >> /testbed/idna/core.py"}),
             tool_call_text("finish", {}),
         )
     )

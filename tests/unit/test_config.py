@@ -74,3 +74,29 @@ def test_tokens_are_secret_and_can_come_from_a_file(tmp_path: Path) -> None:
     )
     assert settings.server.accepted_tokens() == ["inline", "from-file"]
     assert "inline" not in repr(settings) and "inline" not in str(settings.model_dump())
+
+
+def test_images_are_an_allow_list_of_the_projects_own_by_default() -> None:
+    box = load_settings(None, environ={}).sandbox
+    assert box.allow_exec_fallback is False
+    assert box.image_allowed(box.default_image)
+    assert box.image_allowed("localhost/prorl-swe-kjd__idna-3.8:latest")
+    for image in (
+        "localhost/prorl-no-python:latest",
+        "localhost/prorl-base:bookworm",
+        "docker.io/library/python:3.12",
+        "localhost/prorl-python:latest ",
+        "localhost/PRORL-python:latest",
+        "",
+    ):
+        assert not box.image_allowed(image), image
+    wider = load_settings(None, environ={}, overrides=parse_assignments(['sandbox.allowed_images=["localhost/*"]']))
+    assert wider.sandbox.image_allowed("localhost/prorl-no-python:latest")
+
+
+def test_the_servers_own_images_must_be_allowed() -> None:
+    with pytest.raises(ConfigError, match="default_image 'localhost/other:latest' matches none of allowed_images"):
+        load_settings(None, environ={"PRORL_SANDBOX__DEFAULT_IMAGE": "localhost/other:latest"})
+    pools = '[{"image": "localhost/prorl-no-python:latest"}]'
+    with pytest.raises(ConfigError, match=r"warm_pools\.0\.image"):
+        load_settings(None, environ={"PRORL_SANDBOX__WARM_POOLS": pools})

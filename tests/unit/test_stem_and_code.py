@@ -5,7 +5,6 @@ import pytest
 from prorl_server.agents.code import CodeHandler
 from prorl_server.agents.stem import StemHandler
 from prorl_server.errors import InvalidArgument
-from prorl_server.verifiers.code import function_program
 from prorl_server.verifiers.stem import choice_letter, verify_stem
 
 CHOICES = ["Mercury", "Venus", "Earth", "Mars"]
@@ -40,14 +39,6 @@ def test_choice_letter_ignores_letters_beyond_the_choices() -> None:
 )
 def test_short_answers(gold: str, answer: str, correct: bool) -> None:
     assert verify_stem(gold, answer)[0] is correct
-
-
-def test_function_program_takes_a_whole_function_or_a_body() -> None:
-    prompt = "def add(a, b):\n    '''Add.'''\n"
-    whole = function_program(prompt, "def add(a, b):\n    return a + b\n", "def check(c): assert c(1, 2) == 3", "add")
-    body = function_program(prompt, "    return a + b\n", "def check(c): assert c(1, 2) == 3", "add")
-    assert whole.count("def add") == 1 and body.count("def add") == 1
-    assert whole.rstrip().endswith("check(add)") and body.rstrip().endswith("check(add)")
 
 
 @pytest.mark.parametrize(

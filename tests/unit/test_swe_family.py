@@ -1,5 +1,5 @@
-"""The SWE family's pure parts: instance validation, the patch's file list and
-reading test outcomes from pytest's -rA summary."""
+"""The SWE family's pure parts: instance validation and the patch's file list
+(test outcomes: tests/unit/test_judge.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from prorl_server.agents.swe import SWEHandler, node_ids
 from prorl_server.datasets.swe import load_task, task_dirs, to_task
 from prorl_server.errors import InvalidArgument
-from prorl_server.verifiers.swe import patched_files, statuses_from_log
+from prorl_server.verifiers.swe import patched_files
 
 INSTANCE: dict[str, Any] = {
     "instance_id": "owner__proj-1.0",
@@ -23,34 +23,6 @@ INSTANCE: dict[str, Any] = {
     "FAIL_TO_PASS": ["tests/test_a.py::test_bug"],
     "PASS_TO_PASS": [],
 }
-
-PYTEST_LOG = """\
-=========================== short test summary info ============================
-PASSED tests/test_a.py::test_ok
-PASSED tests/test_a.py::test_param[a b - c]
-FAILED tests/test_a.py::test_bug - AssertionError: assert 1 == 2
-ERROR tests/test_b.py::test_setup - RuntimeError: boom
-XFAIL tests/test_a.py::test_known - reason
-"""
-
-
-def test_statuses_read_from_the_summary() -> None:
-    tests = [
-        "tests/test_a.py::test_ok",
-        "tests/test_a.py::test_param[a b - c]",
-        "tests/test_a.py::test_bug",
-        "tests/test_b.py::test_setup",
-        "tests/test_a.py::test_known",
-        "tests/test_a.py::test_never_ran",
-    ]
-    assert statuses_from_log(PYTEST_LOG, tests) == {
-        "tests/test_a.py::test_ok": "PASSED",
-        "tests/test_a.py::test_param[a b - c]": "PASSED",
-        "tests/test_a.py::test_bug": "FAILED",
-        "tests/test_b.py::test_setup": "ERROR",
-        "tests/test_a.py::test_known": "XFAIL",
-        "tests/test_a.py::test_never_ran": "MISSING",
-    }
 
 
 def test_patched_files_names_old_and_new_paths() -> None:

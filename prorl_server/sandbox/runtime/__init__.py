@@ -1,10 +1,13 @@
-"""The in-sandbox runtime (prorl_runtime.py) and where to find it on the host.
+"""The in-sandbox runtime (prorl_runtime.py), its judging harness
+(prorl_judge.py) and where to find them on the host.
 
-prorl_runtime.py is stdlib-only and runs on the sandbox image's own python3
-(3.8 and newer); it is bind-mounted read-only into each container. This
-package's other modules run in the server.
+Both are stdlib-only and run on the sandbox image's own python3 (3.8 and
+newer); they are bind-mounted read-only into each container. This package's
+other modules run in the server.
 """
 
 from pathlib import Path
 
 RUNTIME_FILE = Path(__file__).with_name("prorl_runtime.py")
+JUDGE_FILE = Path(__file__).with_name("prorl_judge.py")
+"""The judging harness, staged beside the runtime (it starts it for `judge`)."""

@@ -22,6 +22,17 @@ HEADER = struct.Struct(">Q")
 INLINE_DECODE_BYTES = 1 << 20
 
 
+class RuntimeOpFailed(SandboxError):
+    """The runtime answered, but could not serve the request; `errno` is the cause's
+    errno when it had one (EAGAIN, ENOMEM, ENOSPC tell a sandbox out of resources)."""
+
+    reason = "sandbox_runtime"
+
+    def __init__(self, message: str, *, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
 class RuntimeClient:
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
@@ -84,7 +95,11 @@ class RuntimeClient:
         finally:
             self._pending.pop(request_id, None)
         if not reply.get("ok"):
-            raise SandboxError(f"the sandbox runtime failed on {op}: {reply.get('error')}", reason="sandbox_runtime")
+            number = reply.get("errno")
+            raise RuntimeOpFailed(
+                f"the sandbox runtime failed on {op}: {str(reply.get('error'))[:2000]}",
+                errno=number if isinstance(number, int) else None,
+            )
         return reply
 
     async def close(self) -> None:

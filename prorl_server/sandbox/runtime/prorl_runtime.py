@@ -10,10 +10,16 @@ many bytes of UTF-8 JSON. A request is {"id": int, "op": str, ...}; the answer
 is {"id": int, "ok": true, ...result} or {"id": int, "ok": false, "error": str}
 when the request itself could not be served. A tool that ran but failed (a
 command's non-zero exit, an editor mistake) is ok: true with is_error set.
+
+`judge` starts the judging harness (prorl_judge.py, beside this file) and
+returns the verdict it wrote on a pipe of its own (see run_judge). The runtime
+makes itself non-dumpable before serving: what the agent or the judged code
+runs (the same uid) cannot ptrace it, read its memory or open its fds.
 """
 
 import argparse
 import base64
+import codecs
 import errno
 import fcntl
 import json
@@ -106,6 +112,13 @@ class CappedBuffer:
             omitted,
             tail.decode("utf-8", "ignore"),
         )
+
+
+def capped(text, limit):
+    """A CappedBuffer holding `text` (any str, lone surrogates of odd file names included)."""
+    buffer = CappedBuffer(limit)
+    buffer.write(text.encode("utf-8", "surrogateescape"))
+    return buffer
 
 
 # --- bash on a pty -----------------------------------------------------------------
@@ -490,6 +503,56 @@ def _write_text(path, text):
         handle.write(text)
 
 
+def _view_lines(path, first, last, buffer):
+    """Write lines first..last (-1: to the end) of a UTF-8 file, numbered as `_numbered` does,
+    into `buffer`; return the file's line count. The file is streamed, never held whole, so
+    viewing a file of any size costs the buffer's cap in memory and the output is capped."""
+    if not os.path.exists(path):
+        raise ToolError("%s does not exist; check the path (use view on a directory to list it)" % path)
+    if os.path.isdir(path):
+        raise ToolError("%s is a directory; give a file path" % path)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    state = {"number": 1, "started": False, "held": None, "any": False}
+
+    def start_line(number):
+        buffer.write(("%s%6d\t" % ("\n" if state["any"] else "", number)).encode("utf-8"))
+        state["any"] = True
+
+    def feed(part, ends_line):
+        number = state["number"]
+        if first <= number and (last == -1 or number <= last):
+            if part or (ends_line and state["started"]):
+                if state["held"] is not None:  # an empty line that turned out not to be the last
+                    start_line(state["held"])
+                    state["held"] = None
+                if not state["started"]:
+                    start_line(number)
+                    state["started"] = True
+                buffer.write(part.encode("utf-8", "surrogateescape"))
+            elif ends_line:
+                if state["held"] is not None:
+                    start_line(state["held"])
+                state["held"] = number  # shown only if a line follows it in the range
+        if ends_line:
+            state["number"] += 1
+            state["started"] = False
+
+    with open(path, "rb") as handle:
+        while True:
+            chunk = handle.read(1 << 16)
+            try:
+                text = decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError:
+                raise ToolError("%s is not a UTF-8 text file" % path)
+            parts = text.split("\n")
+            for part in parts[:-1]:
+                feed(part, True)
+            if not chunk:
+                feed(parts[-1], True)
+                return state["number"] - 1
+            feed(parts[-1], False)
+
+
 def _numbered(text, start=1):
     lines = text.split("\n")
     if lines and lines[-1] == "":
@@ -531,20 +594,18 @@ class Editor:
                 full = os.path.join(path, name)
                 entries.append(name + ("/" if os.path.isdir(full) else ""))
             return "Contents of %s:\n%s" % (path, "\n".join(entries) or "(empty)")
-        text = _read_text(path)
+        first, last = 1, -1
         view_range = request.get("view_range")
         if view_range:
             try:
                 first, last = int(view_range[0]), int(view_range[1])
             except (TypeError, ValueError, IndexError):
                 raise ToolError("view_range must be two line numbers [first, last]; use -1 as last for the end")
-            lines = text.split("\n")
-            if last == -1:
-                last = len(lines)
-            if not 1 <= first <= last <= len(lines):
-                raise ToolError("view_range %r is outside the file's lines 1-%d" % (view_range, len(lines)))
-            return _numbered("\n".join(lines[first - 1 : last]), first)
-        return _numbered(text)
+        buffer = CappedBuffer(int(request.get("max_output_bytes") or DEFAULT_CAP))
+        count = _view_lines(path, first, last, buffer)
+        if not 1 <= first <= (count if last == -1 else last) <= count:
+            raise ToolError("view_range %r is outside the file's lines 1-%d" % (view_range, count))
+        return buffer
 
     def cmd_create(self, path, request):
         if "file_text" not in request:
@@ -623,6 +684,125 @@ def _find_all(text, needle):
 # --- the server -----------------------------------------------------------------------
 
 
+# --- judging ------------------------------------------------------------------------
+
+JUDGE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prorl_judge.py")
+JUDGE_MODES = ("function", "stdio", "swe")
+MAX_VERDICT = 32 << 20
+PR_SET_DUMPABLE = 4
+
+
+def make_non_dumpable():
+    """prctl(PR_SET_DUMPABLE, 0): processes of the same uid (everything the agent and
+    the tested code run) can then neither ptrace this one, read its memory, nor open
+    its fds (the server's socket, the judge's verdict pipe) through /proc."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
+    except Exception:  # no ctypes or no prctl: keep serving, less protected
+        return False
+
+
+def run_judge(mode, spec, timeout, cap):
+    """Run the judging harness (prorl_judge.py, trusted, beside this file) on `spec`.
+
+    Started directly: argv with no shell and no pty, isolated Python (-I), its
+    own session, a clean environment, the spec on a stdin pipe, its log on a
+    stdout pipe (capped), and a dedicated pipe for the verdict that no other
+    process gets (close_fds; the harness never passes it on). When `timeout`
+    passes, its whole session is killed. The verdict is returned as the text
+    the harness wrote there, or None; the server decides what it is worth."""
+    if mode not in JUDGE_MODES:
+        raise ValueError("unknown judge mode %r" % (mode,))
+    started = time.monotonic()
+    verdict_r, verdict_w = os.pipe()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-B", JUDGE_FILE, mode, "--verdict-fd", str(verdict_w)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            pass_fds=(verdict_w,),
+            cwd="/",
+            env={
+                "PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin",
+                "HOME": os.environ.get("HOME") or "/tmp",
+                "LANG": "C.UTF-8",
+            },
+            start_new_session=True,
+        )
+    except BaseException:
+        os.close(verdict_r)
+        raise
+    finally:
+        os.close(verdict_w)
+    body = json.dumps(spec).encode("utf-8")
+
+    def feed():
+        try:
+            process.stdin.write(body)
+        except OSError:
+            pass
+        finally:
+            try:
+                process.stdin.close()
+            except OSError:
+                pass
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    output = CappedBuffer(cap)
+    verdict = bytearray()
+    verdict_truncated = False
+    log_fd = process.stdout.fileno()
+    open_fds = [log_fd, verdict_r]
+    deadline = started + timeout
+    exited_at = None
+    timed_out = False
+    while open_fds:
+        now = time.monotonic()
+        if now >= deadline:
+            timed_out = process.poll() is None
+            break
+        if exited_at is None and process.poll() is not None:
+            exited_at = now
+        if exited_at is not None and now - exited_at > 1.0:
+            break  # what the harness left behind may hold the log pipe open
+        ready, _, _ = select.select(open_fds, [], [], min(deadline - now, 0.2))
+        for fd in ready:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                open_fds.remove(fd)
+            elif fd == log_fd:
+                output.write(chunk)
+            elif len(verdict) + len(chunk) > MAX_VERDICT:
+                verdict_truncated = True
+            else:
+                verdict += chunk
+    _kill_session(process.pid)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    exit_code = process.wait()
+    writer.join(5)
+    process.stdout.close()
+    os.close(verdict_r)
+    text = output.text()
+    if timed_out:
+        text += "\n[judging timed out after %gs; its processes were killed]" % timeout
+    return {
+        "output": text,
+        "truncated": output.truncated,
+        "exit_code": exit_code,
+        "timed_out": timed_out,
+        "verdict": None if verdict_truncated or not verdict else bytes(verdict).decode("utf-8", "replace"),
+        "verdict_truncated": verdict_truncated,
+        "duration_s": time.monotonic() - started,
+    }
+
+
 class Runtime:
     def __init__(self, workdir):
         self.workdir = workdir
@@ -643,11 +823,11 @@ class Runtime:
             return self.python.run(request["code"], timeout, cap)
         if op == "edit":
             try:
-                return {"output": self.editor.handle(request), "is_error": False}
-            except ToolError as exc:
-                return {"output": "Error: %s" % exc, "is_error": True}
-            except OSError as exc:
-                return {"output": "Error: %s" % exc, "is_error": True}
+                result, is_error = self.editor.handle(request), False
+            except (ToolError, OSError) as exc:
+                result, is_error = "Error: %s" % exc, True
+            buffer = result if isinstance(result, CappedBuffer) else capped(result, cap)
+            return {"output": buffer.text(), "is_error": is_error, "truncated": buffer.truncated}
         if op == "read_file":
             path = _resolve(request.get("path", ""), self.workdir)
             with open(path, "rb") as handle:
@@ -664,6 +844,8 @@ class Runtime:
             if request.get("mode") is not None:
                 os.chmod(path, int(request["mode"]))
             return {"path": path}
+        if op == "judge":
+            return run_judge(request["mode"], request.get("spec") or {}, timeout, cap)
         if op == "list_dir":
             path = _resolve(request.get("path", "."), self.workdir)
             entries = []
@@ -675,6 +857,17 @@ class Runtime:
         raise ValueError("unknown op %r" % (op,))
 
 
+def _errno_of(exc):
+    """The errno behind a failure, so the server can tell a sandbox out of pids, memory or
+    disk (the agent's doing) from other failures."""
+    if isinstance(exc, MemoryError):
+        return errno.ENOMEM
+    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+        return errno.EAGAIN
+    number = getattr(exc, "errno", None)
+    return number if isinstance(number, int) else None
+
+
 def serve_connection(runtime, conn):
     send_lock = threading.Lock()
 
@@ -683,7 +876,12 @@ def serve_connection(runtime, conn):
             result = runtime.dispatch(request)
             reply = dict(result, id=request.get("id"), ok=True)
         except Exception as exc:  # noqa: BLE001 - reported to the server, never fatal here
-            reply = {"id": request.get("id"), "ok": False, "error": "%s: %s" % (type(exc).__name__, exc)}
+            reply = {
+                "id": request.get("id"),
+                "ok": False,
+                "error": "%s: %s" % (type(exc).__name__, exc),
+                "errno": _errno_of(exc),
+            }
         data = encode_frame(reply)
         with send_lock:
             try:
@@ -730,12 +928,46 @@ def serve(socket_path, workdir):
             conn.close()
 
 
+def serve_as_init(socket_path, workdir):
+    """Be the container's PID 1 and serve from a child process.
+
+    The kernel delivers no signal to a PID namespace's init from inside the
+    namespace unless init handles it, so nothing the agent runs can kill or
+    stop this process; SIGTERM is waited for and honoured only when it comes
+    from outside the container (its sender's pid is then 0). The container
+    therefore keeps running when the agent kills or stops the runtime (the
+    child), which is how the server tells that apart from a container stopped
+    or killed from outside. As init it also reaps orphaned processes.
+    """
+    watched = {signal.SIGCHLD, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+    if os.fork() == 0:
+        try:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, watched)
+            serve(socket_path, workdir)
+        finally:
+            os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    while True:
+        info = signal.sigwaitinfo(watched)
+        if info.si_signo == signal.SIGTERM and info.si_pid == 0:
+            os._exit(0)
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="prorl_runtime")
     commands = parser.add_subparsers(dest="command")
     serve_parser = commands.add_parser("serve")
     serve_parser.add_argument("--socket", required=True)
     serve_parser.add_argument("--workdir", default=os.getcwd())
+    serve_parser.add_argument("--init", action="store_true", help="run as the container's PID 1 (see serve_as_init)")
     worker_parser = commands.add_parser("python-worker")
     worker_parser.add_argument("--fd-in", type=int, required=True)
     worker_parser.add_argument("--fd-out", type=int, required=True)
@@ -743,7 +975,8 @@ def main(argv=None):
     if args.command == "python-worker":
         python_worker(args.fd_in, args.fd_out)
     elif args.command == "serve":
-        serve(args.socket, args.workdir)
+        make_non_dumpable()
+        (serve_as_init if args.init else serve)(args.socket, args.workdir)
     else:
         parser.print_help()
         return 2

@@ -1,0 +1,1261 @@
+#!/usr/bin/env python3
+"""prorl judging harness: verdicts that the code under test cannot write.
+
+Runs inside a sandbox on the image's own python3 (3.8 and newer), stdlib only,
+beside prorl_runtime.py (bind-mounted read-only). The runtime's `judge`
+operation starts it directly, never through a shell or a pty:
+
+    python3 -I -B prorl_judge.py MODE --verdict-fd N     (the spec as JSON on stdin)
+
+It writes one verdict, a JSON object, to fd N and exits 0. Anything else (it
+was killed, it crashed, it wrote no JSON) means "no verdict", which the server
+scores 0: an attack that stops the judging can only lose.
+
+Trust boundaries
+- This process is trusted. Before any untrusted code runs it makes itself
+  non-dumpable (same-uid processes can then neither ptrace it, nor read its
+  memory, nor open its fds through /proc) and a child subreaper (whatever the
+  untrusted code leaves running is re-parented to it, so it can kill it all).
+- Untrusted code runs in child processes that get no inherited fd but their
+  own channels (close_fds); the verdict fd never leaves this process.
+- The expected results stay where the untrusted code cannot read them: check()
+  runs here, and stdio outputs are compared by the server.
+
+Modes
+- function: the candidate function runs in a child process (mode `candidate`).
+  check() runs here against a proxy whose calls go to that child and whose
+  results come back as plain data only (builtin types rebuilt on this side;
+  anything else fails the submission). Pass means: check() returned normally
+  here and the candidate never broke the protocol (died, exited, returned a
+  foreign object, answered out of turn). Exiting early, atexit hooks,
+  AlwaysEqual objects or monkey-patching in the candidate's process cannot
+  reach check(). The price: arguments and results are copies (a test that
+  expects its arguments changed in place cannot see it) and only plain data
+  crosses (a test cannot hand the candidate a function); all 164 HumanEval
+  problems fit.
+- stdio: runs the program once per input; its stdout (its own pipe), exit
+  status (from waitpid) and timing go back to the server, which compares.
+- swe: applies the model's patch to the repository, restores test
+  infrastructure the patch touched (see is_test_infrastructure) and the test
+  files, applies the test patch, and runs pytest in a child (mode `pytest`)
+  with a reporter plugin that sends each test's outcome over a pipe to this
+  process; the printed log is only for humans.
+
+Residual risk (swe): the code under test is imported into the pytest process
+itself, so it can in principle do anything that process can: rewrite its
+memory (the reporter, pytest, the test functions themselves), find the run
+key there, or call os.write on the report pipe. Nothing inside one process
+can prevent that. What raises the bar from "print a line" or "add a plugin"
+to deliberate in-process tampering with this file's internals:
+- the runner is non-dumpable, so the programs the tests start cannot attach
+  to it, read its memory or open its pipe (a fork of it, made by code inside
+  it, is that code again);
+- pytest and its dependencies are imported before the repository is on
+  sys.path (no module of the repository stands in for them);
+- every frame carries a per-run key the harness gives the runner on its stdin
+  before any test code is imported; frames without it (written by someone who
+  knows only the protocol) are ignored and flagged;
+- the stream is checked here: one report per phase of each collected test, a
+  failure in any report wins, a final frame, pytest's exit status consistent
+  with the reports and with the runner's real exit status;
+- pytest's reporting machinery (and the reporter) is fingerprinted before any
+  conftest.py or test is imported and compared at every report; between the
+  two only pytest's own replacements of its functions are accepted.
+"""
+
+import base64
+import builtins
+import json
+import os
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HEADER = struct.Struct(">Q")
+MAX_FRAME = 64 << 20
+PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+ERROR_CHARS = 4000
+
+
+# --- hardening and processes ------------------------------------------------------
+
+
+def prctl(option, value):
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, "prctl(%d, %d): %s" % (option, value, os.strerror(error)))
+
+
+def harden(subreaper=False):
+    """Non-dumpable (and optionally a child subreaper) before untrusted code runs."""
+    prctl(PR_SET_DUMPABLE, 0)
+    if subreaper:
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def clean_env(**extra):
+    """The environment untrusted code starts with: nothing inherited but the basics."""
+    env = {
+        "PATH": os.environ.get("PATH") or DEFAULT_PATH,
+        "HOME": os.environ.get("HOME") or "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(extra)
+    return env
+
+
+def _process_table():
+    """ppid -> [(pid, state)] for every visible process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry, "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        table.setdefault(int(fields[1]), []).append((int(entry), fields[0]))
+    return table
+
+
+def descendants(root):
+    """Living (not zombie) descendants of `root`."""
+    table = _process_table()
+    found, stack = [], [root]
+    while stack:
+        for pid, state in table.get(stack.pop(), ()):
+            stack.append(pid)
+            if state != b"Z":
+                found.append(pid)
+    return found
+
+
+def reap():
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def kill_descendants():
+    """SIGKILL everything below this process (orphans come back to it as subreaper).
+
+    Only call once the exit status of every subprocess.Popen still needed has
+    been collected: it reaps any child."""
+    me = os.getpid()
+    for _ in range(200):
+        pids = descendants(me)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
+        reap()
+    reap()
+
+
+def kill_group(process):
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        process.kill()
+    except OSError:
+        pass
+
+
+# --- frames over pipes ------------------------------------------------------------
+
+
+class ProtocolError(Exception):
+    """The other side sent something that is not a well-formed frame."""
+
+
+def encode_frame(message):
+    body = json.dumps(message).encode("utf-8")
+    return HEADER.pack(len(body)) + body
+
+
+def write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+class FrameReader:
+    """Length-prefixed JSON frames from a pipe, read with deadlines and a size cap."""
+
+    def __init__(self, fd, max_frame=MAX_FRAME):
+        self.fd = fd
+        self.max_frame = max_frame
+        self.buffer = bytearray()
+        self.eof = False
+
+    def pop(self):
+        """A complete buffered frame, or None."""
+        if len(self.buffer) < HEADER.size:
+            return None
+        (size,) = HEADER.unpack(bytes(self.buffer[: HEADER.size]))
+        if size > self.max_frame:
+            raise ProtocolError("a frame of %d bytes (the limit is %d)" % (size, self.max_frame))
+        if len(self.buffer) < HEADER.size + size:
+            return None
+        body = bytes(self.buffer[HEADER.size : HEADER.size + size])
+        del self.buffer[: HEADER.size + size]
+        try:
+            message = json.loads(body.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:
+            raise ProtocolError("a frame that is not JSON (%s)" % type(exc).__name__)
+        if not isinstance(message, dict):
+            raise ProtocolError("a frame that is not a JSON object")
+        return message
+
+    def fill(self, timeout):
+        """Read what arrives within `timeout`; False once the pipe is at EOF."""
+        if self.eof:
+            return False
+        ready, _, _ = select.select([self.fd], [], [], None if timeout is None else max(timeout, 0))
+        if ready:
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                self.eof = True
+                return False
+            self.buffer += chunk
+        return True
+
+    def read(self, deadline=None):
+        """The next frame; None at EOF; raises Timeout at the deadline (None: wait)."""
+        while True:
+            message = self.pop()
+            if message is not None:
+                return message
+            if self.eof:
+                return None
+            if deadline is None:
+                self.fill(None)
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Timeout()
+            self.fill(remaining)
+
+    def drain(self, quiet_s, limit_s):
+        """Read until EOF, until nothing arrives for quiet_s, or for at most limit_s."""
+        deadline = time.monotonic() + limit_s
+        while not self.eof and time.monotonic() < deadline and len(self.buffer) <= self.max_frame:
+            ready, _, _ = select.select([self.fd], [], [], quiet_s)
+            if not ready:
+                return
+            chunk = os.read(self.fd, 1 << 16)
+            if chunk:
+                self.buffer += chunk
+            else:
+                self.eof = True
+
+
+class Timeout(BaseException):
+    """The judging deadline passed (a BaseException: check() cannot swallow it)."""
+
+
+# --- plain data ---------------------------------------------------------------------
+
+
+class NotPlainData(Exception):
+    """A value that is not made of builtin data types only."""
+
+
+MAX_DEPTH = 100
+MAX_ITEMS = 2000000
+_SEQUENCES = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}
+_REBUILD = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}
+
+
+def type_name(value):
+    kind = type(value)
+    try:
+        name = "%s.%s" % (kind.__module__, kind.__qualname__)
+    except Exception:
+        name = "an unnamed type"
+    return name if isinstance(name, str) else "an unnamed type"
+
+
+def encode_plain(value):
+    """`value` as tagged JSON, if it is built from exact builtin types only.
+
+    Exact means `type(x) is int`, never a subclass: a subclass can override
+    __eq__ (the AlwaysEqual trick) or any other method. Floats and ints travel
+    as hex (exact, NaN, infinities, -0.0, and no digit limits)."""
+    budget = [MAX_ITEMS]
+
+    def encode(item, depth):
+        if depth > MAX_DEPTH:
+            raise NotPlainData("nested deeper than %d levels" % MAX_DEPTH)
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise NotPlainData("more than %d values" % MAX_ITEMS)
+        kind = type(item)
+        if item is None:
+            return ["none"]
+        if kind is bool:
+            return ["bool", item]
+        if kind is int:
+            return ["int", hex(item)]
+        if kind is float:
+            return ["float", item.hex()]
+        if kind is complex:
+            return ["complex", item.real.hex(), item.imag.hex()]
+        if kind is str:
+            return ["str", item]
+        if kind is bytes or kind is bytearray:
+            return ["bytes" if kind is bytes else "bytearray", base64.b64encode(bytes(item)).decode("ascii")]
+        if kind in _SEQUENCES:
+            return [_SEQUENCES[kind], [encode(member, depth + 1) for member in item]]
+        if kind is dict:
+            return ["dict", [[encode(key, depth + 1), encode(val, depth + 1)] for key, val in item.items()]]
+        raise NotPlainData("a %s object" % type_name(item))
+
+    return encode(value, 0)
+
+
+def decode_plain(data):
+    """Rebuild a value from encode_plain's form, trusting nothing about `data`."""
+    budget = [MAX_ITEMS]
+
+    def text(node, index):
+        if len(node) <= index or type(node[index]) is not str:
+            raise NotPlainData("a malformed %s" % node[0])
+        return node[index]
+
+    def decode(node, depth):
+        if depth > MAX_DEPTH:
+            raise NotPlainData("nested deeper than %d levels" % MAX_DEPTH)
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise NotPlainData("more than %d values" % MAX_ITEMS)
+        if type(node) is not list or not node or type(node[0]) is not str:
+            raise NotPlainData("a malformed value")
+        tag = node[0]
+        try:
+            if tag == "none" and len(node) == 1:
+                return None
+            if tag == "bool" and len(node) == 2 and type(node[1]) is bool:
+                return node[1]
+            if tag == "int" and len(node) == 2:
+                return int(text(node, 1), 16)
+            if tag == "float" and len(node) == 2:
+                return float.fromhex(text(node, 1))
+            if tag == "complex" and len(node) == 3:
+                return complex(float.fromhex(text(node, 1)), float.fromhex(text(node, 2)))
+            if tag == "str" and len(node) == 2:
+                return text(node, 1)
+            if tag in ("bytes", "bytearray") and len(node) == 2:
+                raw = base64.b64decode(text(node, 1).encode("ascii"), validate=True)
+                return raw if tag == "bytes" else bytearray(raw)
+            if tag in _REBUILD and len(node) == 2 and type(node[1]) is list:
+                return _REBUILD[tag](decode(member, depth + 1) for member in node[1])
+            if tag == "dict" and len(node) == 2 and type(node[1]) is list:
+                result = {}
+                for pair in node[1]:
+                    if type(pair) is not list or len(pair) != 2:
+                        raise NotPlainData("a malformed dict")
+                    result[decode(pair[0], depth + 1)] = decode(pair[1], depth + 1)
+                return result
+        except (ValueError, TypeError, OverflowError, UnicodeError) as exc:
+            raise NotPlainData("a malformed %s (%s)" % (tag, type(exc).__name__))
+        raise NotPlainData("a malformed or unknown value %r" % tag[:40])
+
+    return decode(data, 0)
+
+
+# --- function mode: check() here, the candidate in a child --------------------------
+
+
+class CandidateBroken(BaseException):
+    """The candidate broke the protocol: the submission fails whatever check() does.
+
+    A BaseException, so that `except Exception` in a test cannot swallow it; a
+    bare `except:` can, which is why the harness also remembers it."""
+
+
+def candidate_sources(prompt, answer, entry_point):
+    """What the candidate process executes, in order, as (label, code, required).
+
+    The prompt first (its helper functions, e.g. HumanEval's `poly`), then the
+    answer: a whole function replaces the prompt's stub, a body completes it."""
+    if "def %s" % entry_point in answer:
+        return [("<prompt>", prompt, False), ("<answer>", answer, True)]
+    return [("<answer>", prompt + answer, True)]
+
+
+def _builtin_exception(exc):
+    """The nearest builtin Exception class of `exc`, by name (None if none is)."""
+    for kind in type(exc).__mro__:
+        name = getattr(kind, "__name__", None)
+        if isinstance(name, str) and getattr(builtins, name, None) is kind and issubclass(kind, Exception):
+            return name
+    return None
+
+
+def candidate_worker(fd_in, fd_out):
+    """The untrusted side: load the candidate, then answer calls. Nothing here is trusted."""
+    reader = FrameReader(fd_in)
+    setup = reader.read()
+    if setup is None:
+        return
+    namespace = {"__name__": "__candidate__", "__builtins__": builtins}
+    try:
+        for label, code, required in setup["sources"]:
+            try:
+                exec(compile(code, label, "exec"), namespace)
+            except Exception:
+                if required:
+                    raise
+        function = namespace.get(setup["entry_point"])
+        if not callable(function):
+            raise NameError("the submission defines no function %r" % setup["entry_point"])
+    except BaseException as exc:
+        write_all(fd_out, encode_frame({"load_error": _format_exception(exc)}))
+        return
+    write_all(fd_out, encode_frame({"ready": True}))
+    while True:
+        request = reader.read()
+        if request is None:
+            return
+        seq = request.get("call")
+        reply = {"seq": seq}
+        try:
+            args, kwargs = decode_plain(request["args"])
+            result = function(*args, **kwargs)
+        except Exception as exc:
+            reply["raised"] = {
+                "type": _builtin_exception(exc) or "Exception",
+                "message": ("%s: %s" % (type(exc).__name__, exc))[:ERROR_CHARS],
+            }
+            try:
+                reply["raised"]["args"] = encode_plain(list(exc.args))
+            except NotPlainData:
+                pass
+        except BaseException as exc:
+            reply["exit"] = ("%s: %s" % (type(exc).__name__, exc))[:ERROR_CHARS]
+        else:
+            try:
+                reply["value"] = encode_plain(result)
+            except NotPlainData as exc:
+                reply["not_plain"] = str(exc)
+        write_all(fd_out, encode_frame(reply))
+        if "exit" in reply:
+            return
+
+
+def _format_exception(exc):
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return text[-ERROR_CHARS:]
+
+
+class CandidateProxy:
+    """The checker's side of the candidate: calls go out as plain data, results
+    come back as plain data, and any breach is remembered in `broken`."""
+
+    def __init__(self, process, to_child, reader, deadline):
+        self.process = process
+        self.to_child = to_child
+        self.reader = reader
+        self.deadline = deadline
+        self.broken = None
+        self.calls = 0
+
+    def fail(self, reason):
+        if self.broken is None:
+            self.broken = reason
+        raise CandidateBroken(self.broken)
+
+    def receive(self):
+        try:
+            message = self.reader.read(self.deadline)
+        except ProtocolError as exc:
+            self.fail("the candidate sent %s" % exc)
+        if message is None:
+            self.fail("the candidate's process ended (%s)" % _exit_description(self.process))
+        return message
+
+    def call(self, args, kwargs):
+        if self.broken is not None:
+            raise CandidateBroken(self.broken)
+        self.calls += 1
+        try:
+            payload = encode_plain([list(args), dict(kwargs)])
+        except NotPlainData as exc:
+            raise TypeError("the judge passes plain data only; this test passes %s" % exc)
+        try:
+            write_all(self.to_child, encode_frame({"call": self.calls, "args": payload}))
+        except OSError:
+            self.fail("the candidate's process ended (%s)" % _exit_description(self.process))
+        reply = self.receive()
+        if reply.get("seq") != self.calls:
+            self.fail("the candidate answered out of turn")
+        if "value" in reply:
+            try:
+                return decode_plain(reply["value"])
+            except NotPlainData as exc:
+                self.fail("the candidate returned %s" % exc)
+        if "not_plain" in reply:
+            self.fail("the candidate returned %s, not plain data" % str(reply["not_plain"])[:300])
+        if "exit" in reply:
+            self.fail("the candidate raised %s" % str(reply["exit"])[:300])
+        raised = reply.get("raised")
+        if isinstance(raised, dict):
+            raise _rebuild_exception(raised)
+        self.fail("the candidate sent a malformed answer")
+
+
+def _rebuild_exception(raised):
+    """A builtin exception standing for the one the candidate raised."""
+    message = str(raised.get("message", ""))[:ERROR_CHARS]
+    kind = getattr(builtins, str(raised.get("type")), None)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        kind = Exception
+    args = None
+    if "args" in raised:
+        try:
+            args = decode_plain(raised["args"])
+        except NotPlainData:
+            args = None
+    for attempt in (args, [message]):
+        if isinstance(attempt, list):
+            try:
+                return kind(*attempt)
+            except Exception:
+                pass
+    return RuntimeError(message)
+
+
+def _exit_description(process):
+    try:
+        code = process.wait(timeout=1.0)  # its pipe closes a moment before it can be reaped
+    except subprocess.TimeoutExpired:
+        return "it closed its pipe"
+    if code < 0:
+        return "killed by signal %d" % -code
+    return "exit status %d" % code
+
+
+def _on_alarm(signum, frame):
+    raise Timeout()
+
+
+def make_proxy_function(proxy, entry_point):
+    def candidate(*args, **kwargs):
+        return proxy.call(args, kwargs)
+
+    candidate.__name__ = candidate.__qualname__ = entry_point
+    return candidate
+
+
+def judge_function(spec):
+    """Run the task's check() here against the candidate in its own process."""
+    started = time.monotonic()
+    deadline = started + float(spec["timeout_s"])
+    entry_point = str(spec["entry_point"])
+    to_child_r, to_child_w = os.pipe()
+    from_child_r, from_child_w = os.pipe()
+    workdir = tempfile.mkdtemp(prefix="prorl-candidate-")
+    process = subprocess.Popen(
+        [sys.executable, "-I", "-B", "-u", os.path.abspath(__file__), "candidate",
+         "--fd-in", str(to_child_r), "--fd-out", str(from_child_w)],
+        pass_fds=(to_child_r, from_child_w),
+        stdin=subprocess.DEVNULL,
+        cwd=workdir,
+        env=clean_env(),
+        preexec_fn=os.setpgrp,
+    )  # fmt: skip
+    os.close(to_child_r)
+    os.close(from_child_w)
+    proxy = CandidateProxy(process, to_child_w, FrameReader(from_child_r), deadline)
+    verdict = {"passed": False, "verdict": "fail"}
+    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 0.001))
+    try:
+        sources = candidate_sources(str(spec["prompt"]), str(spec["answer"]), entry_point)
+        write_all(to_child_w, encode_frame({"sources": sources, "entry_point": entry_point}))
+        ready = proxy.receive()
+        if "load_error" in ready:
+            verdict.update(reason="the submission failed to load", error=str(ready["load_error"])[-ERROR_CHARS:])
+        elif ready.get("ready") is not True:
+            proxy.fail("the candidate sent a malformed greeting")
+        else:
+            function = make_proxy_function(proxy, entry_point)
+            namespace = {"__name__": "__check__"}
+            try:
+                exec(compile(str(spec["prompt"]), "<prompt>", "exec"), namespace)
+            except Exception:
+                pass  # a prompt that is not a program on its own: its helpers are not needed
+            namespace[entry_point] = function
+            exec(compile(str(spec["test"]), "<test>", "exec"), namespace)
+            check = namespace.get("check")
+            if not callable(check):
+                raise NameError("the task's test defines no check(candidate)")
+            check(function)
+            if proxy.broken is None:
+                verdict.update(passed=True, verdict="pass", reason="check() returned normally")
+            else:
+                verdict.update(reason=proxy.broken)
+    except Timeout:
+        verdict.update(reason="the tests ran past %gs" % float(spec["timeout_s"]), timed_out=True)
+    except CandidateBroken as exc:
+        verdict.update(reason=str(exc))
+    except BaseException as exc:
+        verdict.update(reason="check() raised %s" % type(exc).__name__, error=_format_exception(exc))
+        if proxy.broken is not None:
+            verdict["reason"] = proxy.broken
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    kill_group(process)
+    process.wait()
+    kill_descendants()
+    shutil.rmtree(workdir, ignore_errors=True)
+    verdict.update(calls=proxy.calls, duration_s=time.monotonic() - started)
+    return verdict
+
+
+# --- stdio mode ---------------------------------------------------------------------
+
+
+def _read_capped(process, fd, cap, deadline):
+    """The process's stdout up to `cap` bytes; (data, truncated, timed_out).
+
+    Reading stops at EOF, or shortly after the process exits (what it left
+    running may hold the pipe open), or at the deadline."""
+    chunks, size, exited_at = [], 0, None
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            return b"".join(chunks), size > cap, process.poll() is None
+        if exited_at is None and process.poll() is not None:
+            exited_at = now
+        if exited_at is not None and now - exited_at > 0.2:
+            return b"".join(chunks), size > cap, False
+        ready, _, _ = select.select([fd], [], [], min(deadline - now, 0.05))
+        if not ready:
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks), size > cap, False
+        if size < cap:
+            chunks.append(chunk[: cap - size])
+        size += len(chunk)
+
+
+def judge_stdio(spec):
+    """Run the program on each input; report its own stdout and exit status per input."""
+    timeout = float(spec["timeout_s"])
+    caps = spec["max_stdout_bytes"]
+    workdir = tempfile.mkdtemp(prefix="prorl-program-")
+    results = []
+    for index, data in enumerate(spec["inputs"]):
+        with open(os.path.join(workdir, "solution.py"), "w", encoding="utf-8") as handle:
+            handle.write(str(spec["program"]))
+        stdin = tempfile.TemporaryFile()
+        stdin.write(str(data).encode("utf-8"))
+        stdin.seek(0)
+        started = time.monotonic()
+        read_end, write_end = os.pipe()
+        process = subprocess.Popen(
+            [sys.executable, "solution.py"],
+            stdin=stdin, stdout=write_end, cwd=workdir, env=clean_env(), preexec_fn=os.setpgrp,
+        )  # fmt: skip
+        os.close(write_end)
+        stdin.close()
+        out, truncated, timed_out = _read_capped(process, read_end, int(caps[index]), started + timeout)
+        if timed_out:
+            kill_group(process)
+        try:
+            code = process.wait(timeout=max(started + timeout - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            kill_group(process)
+            code, timed_out = process.wait(), True
+        os.close(read_end)
+        kill_descendants()
+        results.append(
+            {
+                "stdout": out.decode("utf-8", "replace"),
+                "truncated": truncated,
+                "exit_code": code,
+                "timed_out": timed_out,
+                "duration_s": time.monotonic() - started,
+            }
+        )
+    shutil.rmtree(workdir, ignore_errors=True)
+    return {"tests": results}
+
+
+# --- swe mode: the repository, test infrastructure, pytest --------------------------
+
+# Files pytest or Python load as configuration or plugins, wherever they sit.
+INFRA_NAMES = frozenset(
+    {
+        "conftest.py",
+        "pytest.ini",
+        ".pytest.ini",
+        "pytest.toml",
+        ".pytest.toml",
+        "tox.ini",
+        "setup.cfg",
+        "pyproject.toml",
+        "sitecustomize.py",
+        "usercustomize.py",
+        ".gitattributes",  # changes how git applies the test patch
+    }
+)
+INFRA_SUFFIXES = (".pth", ".pyc", ".pyo", ".egg-link")
+# Folders whose content is packaging metadata (entry points: pytest11 plugins) or bytecode.
+INFRA_DIR_SUFFIXES = (".dist-info", ".egg-info")
+INFRA_DIRS = frozenset({"__pycache__"})
+
+
+def is_test_infrastructure(path):
+    """Whether a repository path (posix, relative) is configuration or a plugin
+    that Python or pytest would load: the model's patch may not change it."""
+    parts = [part for part in path.split("/") if part]
+    if not parts:
+        return False
+    name = parts[-1]
+    if name in INFRA_NAMES or name.endswith(INFRA_SUFFIXES):
+        return True
+    return any(part in INFRA_DIRS or part.endswith(INFRA_DIR_SUFFIXES) for part in parts)
+
+
+def test_file_of(node_id):
+    return node_id.split("::", 1)[0]
+
+
+def git_env():
+    return clean_env(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL="/dev/null", GIT_TERMINAL_PROMPT="0")
+
+
+def git(repo, args, stdin=None, timeout=120):
+    """(exit code, stdout, stderr) of a git command run without a shell."""
+    try:
+        done = subprocess.run(
+            ["git"] + list(args),
+            cwd=repo,
+            input=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=git_env(),
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return -1, b"", b"git %s timed out" % args[0].encode()
+    return done.returncode, done.stdout, done.stderr
+
+
+def nul_paths(data):
+    return [os.fsdecode(item) for item in data.split(b"\0") if item]
+
+
+def patch_paths(repo, patch_file):
+    """Every path a patch touches (old and new names), exactly as git reads it."""
+    code, out, err = git(repo, ["apply", "--numstat", "-z", patch_file])
+    if code != 0:
+        return []
+    paths, tokens, index = [], out.split(b"\0"), 0
+    while index < len(tokens):
+        fields = tokens[index].split(b"\t", 2)
+        index += 1
+        if len(fields) < 3:
+            continue
+        if fields[2]:
+            paths.append(os.fsdecode(fields[2]))
+        elif index + 1 < len(tokens):  # a rename: old and new name follow
+            paths += [os.fsdecode(tokens[index]), os.fsdecode(tokens[index + 1])]
+            index += 2
+    return paths
+
+
+def changed_paths(repo, base, untracked_before):
+    """(tracked paths that differ from base, files that are new) in the work tree."""
+    _, tracked, _ = git(repo, ["diff", "-z", "--name-only", "--no-renames", base, "--"])
+    _, others, _ = git(repo, ["ls-files", "-z", "--others"])
+    return set(nul_paths(tracked)), set(nul_paths(others)) - untracked_before
+
+
+def restore_protected(repo, base, protected, untracked_before):
+    """Put every protected path the patch changed back as it is at base.
+
+    Returns (restored, deleted, still_changed)."""
+    tracked, new = changed_paths(repo, base, untracked_before)
+    restore = sorted(path for path in tracked if protected(path))
+    delete = sorted(path for path in new if protected(path))
+    for path in delete:
+        full = os.path.join(repo, path)
+        try:
+            os.unlink(full)
+        except IsADirectoryError:
+            shutil.rmtree(full, ignore_errors=True)
+        except OSError:
+            pass
+        parent = os.path.dirname(full)
+        while parent.startswith(repo.rstrip("/") + "/"):
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break
+            parent = os.path.dirname(parent)
+    if restore:
+        spec = b"\0".join(os.fsencode(path) for path in restore)
+        git(
+            repo,
+            ["--literal-pathspecs", "checkout", base, "--pathspec-from-file=-", "--pathspec-file-nul"],
+            stdin=spec,
+        )
+    tracked, new = changed_paths(repo, base, untracked_before)
+    still = sorted(path for path in tracked | new if protected(path))
+    return restore, delete, still
+
+
+def apply_patch(repo, text, name, workdir):
+    path = os.path.join(workdir, name)
+    with open(path, "wb") as handle:
+        handle.write(text.encode("utf-8", "surrogateescape"))
+    code, out, err = git(repo, ["apply", "--verbose", "--whitespace=nowarn", path])
+    log = (out + err).decode("utf-8", "replace")
+    say("$ git apply %s\n%s" % (name, log))
+    return code == 0, log[-ERROR_CHARS:], path
+
+
+def say(text):
+    """A line for the human-readable log (stdout), never part of the verdict."""
+    try:
+        write_all(1, (text.rstrip("\n") + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def _capped_list(paths, limit=200):
+    return paths[:limit] + (["... and %d more" % (len(paths) - limit)] if len(paths) > limit else [])
+
+
+def judge_swe(spec):
+    """Patch, restore test infrastructure, patch the tests, run them with the reporter."""
+    workdir = tempfile.mkdtemp(prefix="prorl-judge-")
+    try:
+        return _judge_swe(spec, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _judge_swe(spec, workdir):
+    repo = str(spec["repo_dir"])
+    base = str(spec["base_commit"])
+    tests = [str(test) for test in spec["tests"]]
+    verdict = {"stage": "model_patch", "restored": [], "deleted": []}
+    _, others, _ = git(repo, ["ls-files", "-z", "--others"])
+    untracked_before = set(nul_paths(others))
+    if spec.get("patch", "").strip():
+        applied, log, _ = apply_patch(repo, spec["patch"], "model.patch", workdir)
+        if not applied:
+            verdict.update(ok=False, output=log)
+            return verdict
+    test_patch = str(spec.get("test_patch", ""))
+    protected_files = set(test_file_of(test) for test in tests)
+    if test_patch.strip():
+        path = os.path.join(workdir, "test.patch")
+        with open(path, "wb") as handle:
+            handle.write(test_patch.encode("utf-8", "surrogateescape"))
+        protected_files.update(patch_paths(repo, path))
+
+    def protected(path):
+        return path in protected_files or is_test_infrastructure(path)
+
+    verdict["stage"] = "restore"
+    restored, deleted, still = restore_protected(repo, base, protected, untracked_before)
+    verdict.update(restored=_capped_list(restored), deleted=_capped_list(deleted))
+    if restored or deleted:
+        say("restored to %s: %s\ndeleted: %s" % (base[:12], restored, deleted))
+    if still:
+        verdict.update(ok=False, output="cannot restore: %s" % _capped_list(still, 20))
+        return verdict
+    verdict["stage"] = "test_patch"
+    if test_patch.strip():
+        applied, log, _ = apply_patch(repo, test_patch, "test.patch", workdir)
+        if not applied:
+            verdict.update(ok=False, output=log)
+            return verdict
+    verdict["stage"] = "tests"
+    verdict.update(ok=True, **run_pytest(repo, spec, tests))
+    return verdict
+
+
+def run_pytest(repo, spec, tests):
+    """Run the selected tests in a runner child; its reporter's frames are the outcome."""
+    timeout = float(spec["timeout_s"])
+    paths = [os.path.join(repo, entry) for entry in str(spec.get("pythonpath") or "").split(":") if entry]
+    report_r, report_w = os.pipe()
+    argv = [sys.executable, "-I", "-B", "-u", os.path.abspath(__file__), "pytest", "--report-fd", str(report_w)]
+    for path in paths:
+        argv += ["--path", path]
+    env = clean_env()
+    if paths:
+        env["PYTHONPATH"] = ":".join(paths)  # for the processes the tests start
+    started = time.monotonic()
+    key = os.urandom(16).hex()
+    process = subprocess.Popen(
+        argv + ["--"] + tests, pass_fds=(report_w,), stdin=subprocess.PIPE, cwd=repo, env=env,
+        preexec_fn=os.setpgrp,
+    )  # fmt: skip
+    os.close(report_w)
+    try:
+        process.stdin.write(key.encode() + b"\n")
+        process.stdin.close()
+    except OSError:
+        pass
+    reader = FrameReader(report_r)
+    frames, problem, timed_out = [], None, False
+    deadline = started + timeout
+    while True:
+        try:
+            frame = reader.read(min(deadline, time.monotonic() + 0.2))
+        except Timeout:
+            if process.poll() is not None:
+                break  # exited; something it started may hold the pipe
+            if time.monotonic() >= deadline:
+                timed_out = True
+                break
+            continue
+        except ProtocolError as exc:
+            problem = "the report stream broke: %s" % exc
+            break
+        if frame is None:
+            break
+        frames.append(frame)
+    if timed_out or problem:
+        kill_group(process)
+    try:
+        code = process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        kill_group(process)
+        code = process.wait()
+    # The rest of the stream: what the runner wrote last, and whatever processes the
+    # tests left behind write there before they are killed (an anomaly, if anything).
+    reader.drain(0.5, 2.0)
+    kill_descendants()
+    reader.drain(0.5, 2.0)
+    try:
+        while True:
+            frame = reader.pop()
+            if frame is None:
+                break
+            frames.append(frame)
+    except ProtocolError as exc:
+        problem = problem or "the report stream broke: %s" % exc
+    os.close(report_r)
+    outcome = aggregate_reports(frames, tests, key)
+    if problem:
+        outcome["anomalies"].append(problem)
+    if outcome["complete"] and outcome["exit_code"] != code:
+        outcome["anomalies"].append(
+            "the runner exited with %s, not pytest's exit code %s" % (code, outcome["exit_code"])
+        )
+    outcome.update(timed_out=timed_out, runner_exit=code, duration_s=time.monotonic() - started)
+    return outcome
+
+
+def phase_status(phases):
+    """One test's status, as pytest's -rA summary names it, from its reports.
+
+    A failure anywhere wins: an extra "passed" report cannot hide a real failure."""
+    if not phases:
+        return "MISSING"
+    if any(when != "call" and outcome == "failed" for when, outcome, _, _ in phases):
+        return "ERROR"
+    if any(outcome == "failed" for _, outcome, _, _ in phases):
+        return "FAILED"
+    for when, outcome, xfail, sub in phases:
+        if when == "call" and not sub:
+            if outcome == "passed":
+                return "XPASS" if xfail else "PASSED"
+            return "XFAIL" if xfail else "SKIPPED"
+    for when, outcome, xfail, _ in phases:
+        if when == "setup" and outcome == "skipped":
+            return "XFAIL" if xfail else "SKIPPED"
+    return "MISSING"
+
+
+def aggregate_reports(frames, tests, key):
+    """Per-test statuses from the reporter's frames, and whatever does not add up.
+
+    Expected: `collected`, then one `report` per phase of each collected test,
+    then `finished` (pytest's exit status) and `exit` (the code the runner
+    exits with), each carrying the run's key (given to the runner on its stdin
+    before any test code was imported). A frame without the key (ignored), a
+    duplicate, a report of an uncollected test, a frame after `exit`, or an
+    exit status that contradicts the reports is an anomaly; a stream without
+    `exit` is incomplete (the runner died or was made to exit)."""
+    anomalies, phases, seen = [], {}, set()
+    collected, finished, exit_code, after_exit = None, None, None, False
+    foreign = 0
+    for frame in frames:
+        if frame.get("key") != key:
+            foreign += 1
+            continue
+        kind = frame.get("kind")
+        if exit_code is not None:
+            after_exit = True
+        if kind == "collected" and collected is None and isinstance(frame.get("nodeids"), list):
+            collected = set(str(node) for node in frame["nodeids"])
+        elif kind == "report" and finished is None:
+            phase = (str(frame.get("nodeid")), str(frame.get("when")))
+            sub = frame.get("sub") is True
+            if phase in seen and not sub:
+                anomalies.append("two %s reports for %s" % (phase[1], phase[0]))
+            if not sub:
+                seen.add(phase)
+            if collected is not None and phase[0] not in collected:
+                anomalies.append("a report for %s, which was not collected" % phase[0])
+            outcome = (phase[1], str(frame.get("outcome")), frame.get("xfail") is True, sub)
+            phases.setdefault(phase[0], []).append(outcome)
+        elif kind == "tampered":
+            anomalies.append("pytest's reporting code changed during the run: %s" % str(frame.get("names"))[:500])
+        elif kind == "finished" and finished is None:
+            finished = frame.get("exitstatus")
+        elif kind == "exit" and exit_code is None and finished is not None:
+            exit_code = frame.get("code")
+        else:
+            anomalies.append("an unexpected %s frame" % str(kind)[:40])
+    if after_exit:
+        anomalies.append("frames after the runner's last one")
+    if foreign:
+        anomalies.append("%d frames that did not come from the reporter (no run key)" % foreign)
+    failed = any(report[1] == "failed" for reports in phases.values() for report in reports)
+    if finished == 0 and failed:
+        anomalies.append("pytest reported success, but a test failed")
+    if finished == 1 and not failed:
+        anomalies.append("pytest reported failed tests, but none failed")
+    statuses = dict((test, phase_status(phases.get(test, ()))) for test in tests)
+    return {
+        "statuses": statuses,
+        "anomalies": anomalies,
+        "exitstatus": finished,
+        "exit_code": exit_code,
+        "complete": exit_code is not None and type(exit_code) is int,
+    }
+
+
+# --- the pytest runner (the child of swe mode) ---------------------------------------
+
+_PRELOAD = ("pluggy", "iniconfig", "packaging.version", "tomllib", "tomli", "attr", "exceptiongroup", "py")
+_PRELOAD_STDLIB = ("doctest", "pdb", "unittest", "faulthandler", "inspect", "warnings", "tempfile", "shutil")
+_WATCHED_MODULES = (
+    "_pytest.runner", "_pytest.reports", "_pytest.main", "_pytest.python", "_pytest.skipping",
+    "_pytest.unittest", "_pytest.nodes", "_pytest.outcomes", "_pytest.terminal", "_pytest.config",
+    "pluggy._callers", "pluggy._hooks", "pluggy._manager", "pluggy.callers", "pluggy.hooks", "pluggy.manager",
+)  # fmt: skip
+
+
+def _preload():
+    """Import pytest and what it imports later, before the repository is on sys.path,
+    so a module of the repository cannot stand in for them."""
+    import importlib
+    import pkgutil
+
+    import _pytest
+    import pytest  # noqa: F401
+
+    for info in pkgutil.iter_modules(_pytest.__path__, "_pytest."):
+        try:
+            importlib.import_module(info.name)
+        except Exception:
+            pass
+    for name in _PRELOAD + _PRELOAD_STDLIB:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+
+
+def _fingerprint(extra):
+    """The functions and classes of pytest's reporting path, by identity."""
+    items = {}
+
+    def add(key, value):
+        if isinstance(value, (type, classmethod, staticmethod, property)) or callable(value):
+            function = getattr(value, "__func__", getattr(value, "fget", value))
+            items[key] = (value, getattr(function, "__code__", None))
+
+    for name in _WATCHED_MODULES:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            add(name + "." + attr, value)
+            if isinstance(value, type) and getattr(value, "__module__", None) == name:
+                for member, inner in list(vars(value).items()):
+                    add("%s.%s.%s" % (name, attr, member), inner)
+    for member, inner in list(vars(extra).items()):
+        add("reporter." + member, inner)
+    return items
+
+
+def _changed(before, after):
+    changed = []
+    for key, (value, code) in before.items():
+        now = after.get(key)
+        if now is None or now[0] is not value or now[1] is not code:
+            changed.append(key)
+    return changed
+
+
+def _origin(value):
+    """The module a function, class, property or method wrapper was written in."""
+    function = getattr(value, "__func__", getattr(value, "fget", value))
+    module = getattr(function, "__module__", None)
+    return module if isinstance(module, str) else ""
+
+
+def _pytest_own(value):
+    return _origin(value).split(".")[0] in ("_pytest", "pytest", "pluggy")
+
+
+def pytest_runner(report_fd, paths, args):
+    """The child that runs pytest; the code under test is imported here."""
+    harden()
+    os.set_inheritable(report_fd, False)
+    key = sys.stdin.readline().strip()  # the run's key: only in this process's memory from here on
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    _preload()
+    import pytest
+
+    write, dumps, pack = os.write, json.dumps, HEADER.pack
+
+    def send(message):
+        message["key"] = key
+        body = dumps(message).encode("utf-8")
+        data = memoryview(pack(len(body)) + body)
+        while data:
+            data = data[write(report_fd, data) :]
+
+    class Reporter(object):
+        @pytest.hookimpl(trylast=True)
+        def pytest_sessionstart(self, session):
+            # Between the first fingerprint and this one, conftest.py files may have
+            # imported the code under test, and pytest patched itself (legacypath):
+            # only pytest's own replacements are accepted.
+            now = _fingerprint(Reporter)
+            foreign = [key for key in _changed(baseline, now) if key not in now or not _pytest_own(now[key][0])]
+            if foreign:
+                send({"kind": "tampered", "names": foreign[:50]})
+            baseline.clear()
+            baseline.update(now)
+
+        def pytest_collection_finish(self, session):
+            send({"kind": "collected", "nodeids": [item.nodeid for item in session.items]})
+
+        def pytest_runtest_logreport(self, report):
+            send(
+                {
+                    "kind": "report",
+                    "nodeid": report.nodeid,
+                    "when": report.when,
+                    "outcome": report.outcome,
+                    "xfail": hasattr(report, "wasxfail"),
+                    # a subtest's report (pytest 9, pytest-subtests): one test, many reports
+                    "sub": type(report).__name__ != "TestReport",
+                }
+            )
+            check()
+
+        def pytest_sessionfinish(self, session, exitstatus):
+            check()
+            send({"kind": "finished", "exitstatus": int(exitstatus)})
+
+    baseline = _fingerprint(Reporter)  # before pytest imports any conftest.py or test
+    reported = set()
+
+    def check():
+        changed = _changed(baseline, _fingerprint(Reporter))
+        if changed and tuple(changed) not in reported:
+            reported.add(tuple(changed))
+            send({"kind": "tampered", "names": changed[:50]})
+
+    sys.path[0:0] = [os.getcwd()] + list(paths)  # what `python -m pytest` with PYTHONPATH would see
+    sys.argv = [os.path.join(os.path.dirname(pytest.__file__), "__main__.py")] + list(args)
+    code = int(pytest.main(["-rA", "-p", "no:cacheprovider"] + list(args), plugins=[Reporter()]))
+    send({"kind": "exit", "code": code})
+    os.close(report_fd)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os._exit(code)  # no atexit hooks, no finalizers of the code under test
+
+
+# --- entry point ----------------------------------------------------------------------
+
+JUDGES = {"function": judge_function, "stdio": judge_stdio, "swe": judge_swe}
+
+
+def serve_judge(mode, verdict_fd):
+    """Harden, read the spec, judge, and write the verdict to the verdict fd."""
+    os.set_inheritable(verdict_fd, False)
+    harden(subreaper=True)
+    spec = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    verdict = JUDGES[mode](spec)
+    kill_descendants()
+    write_all(verdict_fd, json.dumps(verdict).encode("utf-8"))
+    os.close(verdict_fd)
+
+
+def main(argv):
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    mode, rest = argv[0], argv[1:]
+    options, positional = {}, []
+    while rest:
+        item = rest.pop(0)
+        if item == "--":
+            positional += rest
+            break
+        if item.startswith("--") and rest:
+            options.setdefault(item, []).append(rest.pop(0))
+        else:
+            positional.append(item)
+    if mode in JUDGES:
+        serve_judge(mode, int(options["--verdict-fd"][0]))
+    elif mode == "candidate":
+        candidate_worker(int(options["--fd-in"][0]), int(options["--fd-out"][0]))
+    elif mode == "pytest":
+        pytest_runner(int(options["--report-fd"][0]), options.get("--path", []), positional)
+    else:
+        print("unknown mode %r" % mode, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

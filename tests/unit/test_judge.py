@@ -1,0 +1,274 @@
+"""The judging harness's pure parts (sandbox/runtime/prorl_judge.py): the
+plain-data codec, the test-infrastructure matcher, reading the reporter's
+outcome stream, and the server's reading of a harness run."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+
+from prorl_server.sandbox.runtime import prorl_judge as judge
+from prorl_server.sandbox.runtime_sandbox import judge_result
+
+PLAIN_VALUES: list[Any] = [
+    None,
+    True,
+    0,
+    -(10**5000),  # beyond int's decimal digit limit: ints travel as hex
+    1.5,
+    -0.0,
+    math.inf,
+    "héllo \ud800",  # a lone surrogate survives JSON
+    b"\x00\xff",
+    bytearray(b"ab"),
+    1 + 2j,
+    [1, [2, (3, "x")]],
+    (1,),
+    {"a": [1], (1, 2): {3: None}, frozenset({1}): 0.25},
+    {1, 2, 3},
+    frozenset({"a"}),
+    [],
+]
+
+
+@pytest.mark.parametrize("value", PLAIN_VALUES, ids=lambda v: type(v).__name__)
+def test_plain_data_round_trips_exactly(value: Any) -> None:
+    wire = json.loads(json.dumps(judge.encode_plain(value)))
+    decoded = judge.decode_plain(wire)
+    assert decoded == value and type(decoded) is type(value)
+
+
+def test_floats_keep_nan_and_the_sign_of_zero() -> None:
+    assert math.isnan(judge.decode_plain(judge.encode_plain(math.nan)))
+    assert math.copysign(1, judge.decode_plain(judge.encode_plain(-0.0))) == -1
+
+
+class AlwaysEqual:
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = object.__hash__
+
+
+class SneakyInt(int):
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = int.__hash__
+
+
+class SneakyList(list[int]):
+    pass
+
+
+def _cycle() -> list[Any]:
+    items: list[Any] = []
+    items.append(items)
+    return items
+
+
+@pytest.mark.parametrize(
+    "value",
+    [AlwaysEqual(), SneakyInt(1), SneakyList([1]), [1, AlwaysEqual()], {"k": SneakyInt(2)}, _cycle(), len, iter([])],
+    ids=["always-equal", "int-subclass", "list-subclass", "nested", "dict-value", "cycle", "function", "iterator"],
+)
+def test_anything_but_exact_builtin_data_is_refused(value: Any) -> None:
+    with pytest.raises(judge.NotPlainData):
+        judge.encode_plain(value)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        ["bool", 1],
+        ["int", 5],
+        ["int", "zz"],
+        ["float", "not a float"],
+        ["str", 3],
+        ["bytes", "!!"],
+        ["list", "abc"],
+        ["dict", [[["list", []], ["none"]]]],  # an unhashable key
+        ["set", [["list", []]]],
+        ["object", "AlwaysEqual"],
+        "str",
+        [],
+        ["none", 1],
+        ["dict", [[["none"]]]],
+    ],
+)
+def test_decoding_trusts_nothing(wire: Any) -> None:
+    with pytest.raises(judge.NotPlainData):
+        judge.decode_plain(wire)
+
+
+def test_decoding_refuses_deep_nesting() -> None:
+    wire: Any = ["none"]
+    for _ in range(judge.MAX_DEPTH + 5):
+        wire = ["list", [wire]]
+    with pytest.raises(judge.NotPlainData, match="deeper"):
+        judge.decode_plain(wire)
+
+
+def test_the_candidate_is_the_prompt_completed_or_a_whole_function_after_it() -> None:
+    prompt = "def helper():\n    return 1\n\ndef add(a, b):\n    '''Add.'''\n"
+    assert judge.candidate_sources(prompt, "    return a + b\n", "add") == [
+        ("<answer>", prompt + "    return a + b\n", True)
+    ]
+    whole = "def add(a, b):\n    return a + b + helper() - 1\n"
+    assert judge.candidate_sources(prompt, whole, "add") == [("<prompt>", prompt, False), ("<answer>", whole, True)]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "conftest.py",
+        "tests/conftest.py",
+        "a/b/c/conftest.py",
+        "pytest.ini",
+        "tests/pytest.ini",
+        ".pytest.ini",
+        "tox.ini",
+        "setup.cfg",
+        "sub/pyproject.toml",
+        "pyproject.toml",
+        "src/sitecustomize.py",
+        "usercustomize.py",
+        "evil.pth",
+        "src/pkg/__pycache__/mod.cpython-311.pyc",
+        "pkg/mod.pyc",
+        "evil-1.0.dist-info/entry_points.txt",
+        "src/evil-1.0.dist-info/METADATA",
+        "parse.egg-info/entry_points.txt",
+        "x.egg-info",
+        "pkg.egg-link",
+        "__pycache__/anything",
+        ".gitattributes",
+    ],
+)
+def test_test_infrastructure_is_recognised_anywhere(path: str) -> None:
+    assert judge.is_test_infrastructure(path)
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["idna/core.py", "tests/test_idna.py", "src/click/types.py", "conftest_helpers.py", "docs/setup.rst", "", "a//b"],
+)
+def test_ordinary_files_are_not_infrastructure(path: str) -> None:
+    assert not judge.is_test_infrastructure(path)
+
+
+def report(nodeid: str, when: str, outcome: str, **extra: Any) -> dict[str, Any]:
+    return {"kind": "report", "nodeid": nodeid, "when": when, "outcome": outcome, "key": KEY, **extra}
+
+
+def run_of(nodeid: str, call: str = "passed", **extra: Any) -> list[dict[str, Any]]:
+    return [
+        report(nodeid, "setup", "passed"),
+        report(nodeid, "call", call, **extra),
+        report(nodeid, "teardown", "passed"),
+    ]
+
+
+A, B, C = "t.py::a", "t.py::b", "t.py::c"
+
+
+KEY = "0123abcd"
+
+
+def stream(*reports: dict[str, Any], exitstatus: int = 0, collected: tuple[str, ...] = (A, B)) -> list[dict[str, Any]]:
+    frames = [
+        {"kind": "collected", "nodeids": list(collected)},
+        *reports,
+        {"kind": "finished", "exitstatus": exitstatus},
+        {"kind": "exit", "code": exitstatus},
+    ]
+    return [{"key": KEY, **frame} for frame in frames]
+
+
+def test_statuses_follow_pytests_summary() -> None:
+    frames = stream(
+        *run_of(A),
+        *run_of(B, "failed"),
+        report(C, "setup", "failed"),
+        exitstatus=1,
+        collected=(A, B, C),
+    )
+    outcome = judge.aggregate_reports(frames, [A, B, C, "t.py::never"], KEY)
+    assert outcome["statuses"] == {A: "PASSED", B: "FAILED", C: "ERROR", "t.py::never": "MISSING"}
+    assert outcome["complete"] and outcome["anomalies"] == [] and outcome["exit_code"] == 1
+
+
+@pytest.mark.parametrize(
+    ("phases", "status"),
+    [
+        ([("setup", "skipped", True, False)], "XFAIL"),
+        ([("setup", "skipped", False, False)], "SKIPPED"),
+        ([("setup", "passed", False, False), ("call", "skipped", True, False)], "XFAIL"),
+        ([("setup", "passed", False, False), ("call", "passed", True, False)], "XPASS"),
+        ([("call", "passed", False, False), ("teardown", "failed", False, False)], "ERROR"),
+        ([("call", "passed", False, False), ("call", "failed", False, True)], "FAILED"),  # a failing subtest
+        ([("call", "failed", False, False), ("call", "passed", False, False)], "FAILED"),  # a pass never hides one
+        ([], "MISSING"),
+    ],
+)
+def test_phase_status(phases: list[tuple[str, str, bool, bool]], status: str) -> None:
+    assert judge.phase_status(phases) == status
+
+
+@pytest.mark.parametrize(
+    ("frames", "anomaly"),
+    [
+        (stream(*run_of(A), report(A, "call", "passed"), *run_of(B)), "two call reports"),
+        (stream(*run_of(A), *run_of(B), *run_of(C)), "not collected"),
+        (stream(*run_of(A), *run_of(B, "failed"), exitstatus=0), "reported success, but a test failed"),
+        (stream(*run_of(A), *run_of(B), exitstatus=1), "none failed"),
+        ([*stream(*run_of(A), *run_of(B)), report(A, "call", "passed")], "after the runner's last"),
+        (stream(*run_of(A), {"kind": "tampered", "names": ["_pytest.runner.call_and_report"]}, *run_of(B)), "changed"),
+        (stream(*run_of(A), {"kind": "verdict", "passed": True}, *run_of(B)), "unexpected verdict frame"),
+        (
+            [{**frame, "key": "guessed"} if frame["kind"] == "report" else frame for frame in stream(*run_of(A))],
+            "did not come from the reporter",
+        ),
+    ],
+    ids=[
+        "duplicate",
+        "uncollected",
+        "success-with-failure",
+        "failure-without-one",
+        "late",
+        "tampered",
+        "unknown",
+        "no-key",
+    ],
+)
+def test_a_stream_that_does_not_add_up_is_an_anomaly(frames: list[dict[str, Any]], anomaly: str) -> None:
+    outcome = judge.aggregate_reports(frames, [A, B], KEY)
+    assert any(anomaly in text for text in outcome["anomalies"]), outcome["anomalies"]
+
+
+def test_a_stream_without_its_last_frames_is_incomplete() -> None:
+    frames = stream(*run_of(A), *run_of(B))[:-2]  # the runner was killed or made to exit
+    outcome = judge.aggregate_reports(frames, [A, B], KEY)
+    assert not outcome["complete"] and outcome["statuses"] == {A: "PASSED", B: "PASSED"}
+
+
+def reply(**fields: Any) -> dict[str, Any]:
+    return {"exit_code": 0, "timed_out": False, "output": "log", "duration_s": 1.0, **fields}
+
+
+def test_a_verdict_counts_only_from_a_harness_that_ended_by_itself() -> None:
+    assert judge_result(reply(verdict='{"passed": true}')).verdict == {"passed": True}
+    for fields, problem in [
+        ({"verdict": '{"passed": true}', "exit_code": -9}, "exit status -9"),
+        ({"verdict": '{"passed": true}', "timed_out": True}, "out of time"),
+        ({"verdict": None}, "no verdict"),
+        ({"verdict": "[true]"}, "malformed"),
+        ({"verdict": '{"passed": tr'}, "malformed"),
+        ({"verdict": None, "verdict_truncated": True}, "oversized"),
+    ]:
+        result = judge_result(reply(**fields))
+        assert result.verdict is None and problem in result.problem, (fields, result.problem)
+        assert result.output == "log"
