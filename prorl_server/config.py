@@ -9,6 +9,7 @@ when they parse, else taken as strings. A bad setting stops start-up with a
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import tomllib
@@ -139,6 +140,16 @@ class SandboxSettings(_Section):
     """On a cgroup v1 host, enforce CPU/memory/pids with cgroups the server (as root) creates."""
     warm_pools: list[WarmPoolSettings] = []
     """Started, healthy sandboxes kept ready per image and resource spec."""
+    allowed_images: list[str] = ["localhost/prorl-python:latest", "localhost/prorl-swe-*:latest"]
+    """Images a sandbox may be started from: shell-style patterns (`*`, `?`, `[...]`, case-sensitive)
+    matched against the image reference as written in the request, the task instance (a SWE
+    task's `image`) or these settings. Submit refuses any other image with PERMISSION_DENIED.
+    By default the project's own images (`make images`). default_image and the warm pools'
+    images must match too."""
+    allow_exec_fallback: bool = False
+    """Serve an image without python3 by `podman exec` (a fresh shell per call, no editor), each
+    command moved into the sandbox's limits before it starts. Off: a job on such an image fails
+    in init (reason `sandbox_image_without_python`)."""
 
     @field_validator("container_user")
     @classmethod
@@ -146,6 +157,21 @@ class SandboxSettings(_Section):
         if value.split(":")[0] == "0":
             raise ValueError("sandboxes never run as root; use an unprivileged uid such as 1000:1000")
         return value
+
+    def image_allowed(self, image: str) -> bool:
+        return any(fnmatch.fnmatchcase(image, pattern) for pattern in self.allowed_images)
+
+    @model_validator(mode="after")
+    def _own_images_allowed(self) -> SandboxSettings:
+        images = [("default_image", self.default_image)]
+        images += [(f"warm_pools.{i}.image", pool.image) for i, pool in enumerate(self.warm_pools) if pool.image]
+        for name, image in images:
+            if not self.image_allowed(image):
+                raise ValueError(f"{name} {image!r} matches none of allowed_images {self.allowed_images}")
+        return self
+
+
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "openai", "kimi_k2"]
 
 
 class BackendSettings(_Section):
@@ -161,6 +187,14 @@ class BackendSettings(_Section):
     """vllm and sglang: a local Hugging Face tokenizer folder of the served model."""
     weight: float = Field(1.0, gt=0)
     """Relative capacity: new trajectories go to the fewest requests in flight per unit of weight."""
+    tool_call_parser: ToolCallParser = "hermes"
+    """How the served model writes tool calls in its text (vLLM's --tool-call-parser names): hermes
+    (Qwen, `<tool_call>`), llama3_json, mistral, pythonic, deepseek_v3, openai (gpt-oss harmony), kimi_k2."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """vllm and sglang: extra variables for the chat template, e.g. {"enable_thinking": false}."""
+    logprobs_mode: Literal["processed", "raw"] = "processed"
+    """What the server's log-probs are: "processed" (after temperature/top-p/top-k; start vLLM with
+    --logprobs-mode processed_logprobs) or "raw" (vLLM's default). Reported on every model turn."""
 
     @field_validator("base_url")
     @classmethod

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from prorl_server.agents.base import AgentHandler, RolloutContext
-from prorl_server.agents.tool_calls import FORMAT_HINT, ParsedCall, from_api, from_text
+from prorl_server.agents.tool_calls import ParsedCall, format_hint, from_api, parse_text
 from prorl_server.agents.tools import Tool, ToolOutput
 from prorl_server.errors import ContextLengthExceeded
+from prorl_server.llm.base import ChatResult
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,23 @@ async def _call_tool(ctx: RolloutContext, tools: dict[str, Tool], call: ParsedCa
     return output
 
 
-def _observation(call: ParsedCall, output: ToolOutput) -> dict[str, str]:
+def _observation_text(output: ToolOutput) -> str:
     text = output.output
     if output.exit_code is not None:
         text = f"{text.rstrip()}\n[exit code {output.exit_code}]"
-    if call.from_api:
-        return {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text}
-    return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
+    return text
+
+
+def _assistant(result: ChatResult, calls: list[ParsedCall], tool_role: bool) -> dict[str, object]:
+    """The reply as a message; its calls as `tool_calls` when results go back in the `tool` role."""
+    message: dict[str, object] = {"role": "assistant", "content": result.text}
+    listed = [c for c in calls if c.from_api or (tool_role and c.name)]
+    if listed:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+            for c in listed
+        ]
+    return message
 
 
 async def run_tool_loop(
@@ -71,27 +82,39 @@ async def run_tool_loop(
         except ContextLengthExceeded:
             return LoopOutcome("context_length")
         recorder.model_turn(turn, result)
-        calls = from_api(result.tool_calls) if result.tool_calls else from_text(result.text, id_prefix=f"t{turn}")
-        assistant: dict[str, object] = {"role": "assistant", "content": result.text}
+        parser = result.tool_call_parser or "hermes"
         if result.tool_calls:
-            assistant["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
-                for c in result.tool_calls
-            ]
-        recorder.add_message(assistant)
+            calls = from_api(result.tool_calls)
+        else:
+            calls = parse_text(result.text, parser, id_prefix=f"t{turn}")
+        # Results go back in the `tool` role when the template renders one (the format the model
+        # was trained on); otherwise, and for calls without a name, as one user message per turn.
+        tool_role = bool(result.tool_calls) or result.tool_role
+        recorder.add_message(_assistant(result, calls, tool_role))
         if not calls:
             recorder.format_errors += 1
             recorder.add_message(
-                {"role": "user", "content": f"No tool call found. {FORMAT_HINT} Call finish with your answer."}
+                {"role": "user", "content": f"No tool call found. {format_hint(parser)} Call finish with your answer."}
             )
             continue
+        as_user: list[str] = []
+        finished = False
         for call in calls:
             recorder.tool_call(turn, call)
             output = await _call_tool(ctx, by_name, call)
-            recorder.tool_result(turn, call, output)
-            recorder.add_message(_observation(call, output))
+            output = recorder.tool_result(turn, call, output)  # as the trajectory keeps it (bounded)
+            text = _observation_text(output)
+            if call.from_api or (tool_role and call.name):
+                recorder.add_message({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text})
+            else:
+                as_user.append(f"<tool_response>\n{text}\n</tool_response>")
             if ctx.state.get("finished"):
-                return LoopOutcome("finish")
+                finished = True
+                break
+        if as_user:
+            recorder.add_message({"role": "user", "content": "\n".join(as_user)})
+        if finished:
+            return LoopOutcome("finish")
     return LoopOutcome("max_turns")
 
 

@@ -1,7 +1,17 @@
-"""Records a trajectory as it happens and emits its events."""
+"""Records a trajectory as it happens and emits its events.
+
+Tool output is bounded here, where every result enters the trajectory, the
+events and the model's next prompt: a job keeps at most
+`TOOL_OUTPUT_BUDGET_BYTES` of it (UTF-8), each result cut head and tail (the
+rule of sandbox/output.py) to what is left, and to `SPENT_RESULT_BYTES` once
+the budget is spent. The sandbox caps each result before (sandbox.max_output_bytes);
+this budget is what keeps a job's events and result readable over gRPC (4 MiB
+per message by default) whatever its commands print.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -11,9 +21,15 @@ from prorl_client import v1
 from prorl_server.agents.tool_calls import ParsedCall
 from prorl_server.agents.tools import ToolOutput
 from prorl_server.llm.base import ChatResult
+from prorl_server.sandbox.output import cap_text
+
+LOGPROBS_MODES = {"processed": v1.LOGPROBS_MODE_PROCESSED, "raw": v1.LOGPROBS_MODE_RAW}
 
 EventSink = Callable[..., Any]
 """Appends one event: called with exactly one keyword, the event kind."""
+
+TOOL_OUTPUT_BUDGET_BYTES = 1 << 20
+SPENT_RESULT_BYTES = 512
 
 
 def duration(seconds: float) -> Duration:
@@ -31,11 +47,20 @@ class TurnObserver(Protocol):
 
 
 class TrajectoryRecorder:
-    def __init__(self, emit: EventSink, observer: TurnObserver | None = None) -> None:
+    def __init__(
+        self,
+        emit: EventSink,
+        observer: TurnObserver | None = None,
+        *,
+        tool_output_budget: int = TOOL_OUTPUT_BUDGET_BYTES,
+    ) -> None:
         self._emit = emit
         self._observer = observer
+        self._tool_output_left = tool_output_budget
+        self._tool_output_budget = tool_output_budget
         self.messages: list[dict[str, Any]] = []
         self.policy_versions: list[int] = []
+        self.turn_spans: list[v1.TurnSpan] = []
         self.num_turns = 0
         self.format_errors = 0
         self.llm_s = 0.0
@@ -48,6 +73,20 @@ class TrajectoryRecorder:
         self.num_turns += 1
         self.llm_s += result.latency_s
         self.policy_versions.append(result.policy_version)
+        logprobs_mode = v1.LOGPROBS_MODE_UNSPECIFIED
+        if result.logprobs:
+            logprobs_mode = LOGPROBS_MODES.get(result.logprobs_mode, v1.LOGPROBS_MODE_UNSPECIFIED)
+        if result.token_offset >= 0:
+            end = result.token_offset + len(result.token_ids)
+            self.turn_spans.append(
+                v1.TurnSpan(
+                    turn=turn,
+                    start=result.token_offset,
+                    end=end,
+                    policy_version=result.policy_version,
+                    logprobs_mode=logprobs_mode,
+                )
+            )
         if self._observer is not None:
             self._observer.model_turn(
                 result.backend_id, result.latency_s, result.prompt_tokens, result.completion_tokens
@@ -67,6 +106,8 @@ class TrajectoryRecorder:
                 switched_from_backend=result.switched_from_backend,
                 prefill=duration(result.prefill_s) if result.prefill_s is not None else None,
                 decode=duration(result.decode_s) if result.decode_s is not None else None,
+                logprobs_mode=logprobs_mode,
+                token_offset=result.token_offset,
             )
         )
 
@@ -78,7 +119,21 @@ class TrajectoryRecorder:
             )
         )
 
-    def tool_result(self, turn: int, call: ParsedCall, output: ToolOutput) -> None:
+    def bound(self, output: ToolOutput) -> ToolOutput:
+        """The output as the trajectory keeps it: cut to what is left of the job's budget."""
+        spent = self._tool_output_left < SPENT_RESULT_BYTES
+        text, cut = cap_text(output.output, max(self._tool_output_left, SPENT_RESULT_BYTES))
+        if cut and spent:
+            text += (
+                f"\n[this job's tool output budget ({self._tool_output_budget} bytes) is spent: "
+                f"each result is cut to {SPENT_RESULT_BYTES} bytes]"
+            )
+        self._tool_output_left = max(self._tool_output_left - len(text.encode()), 0)
+        return dataclasses.replace(output, output=text, truncated=output.truncated or cut)
+
+    def tool_result(self, turn: int, call: ParsedCall, output: ToolOutput) -> ToolOutput:
+        """Record one tool result; returns it as kept (bounded, see `bound`)."""
+        output = self.bound(output)
         self.tools_s += output.duration_s
         if self._observer is not None:
             self._observer.tool_call(call.name, output.duration_s)
@@ -96,6 +151,7 @@ class TrajectoryRecorder:
                 error=output.error,
             )
         )
+        return output
 
     def to_proto(self, tokens: tuple[list[int], list[int], list[float]] = ([], [], [])) -> v1.Trajectory:
         """The trajectory; `tokens` is (token_ids, loss_mask, logprobs) when the backend gave ids."""
@@ -106,6 +162,8 @@ class TrajectoryRecorder:
             loss_mask=loss_mask,
             logprobs=logprobs,
             turn_policy_versions=self.policy_versions,
+            turn_spans=self.turn_spans,
+            format_errors=self.format_errors,
             num_turns=self.num_turns,
         )
 

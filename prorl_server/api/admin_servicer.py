@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import grpc
+from google.protobuf import json_format, struct_pb2
 
 from prorl_client import v1
 from prorl_server.errors import InvalidArgument
@@ -23,6 +25,13 @@ KIND_NAMES = {
     "embedded": v1.BACKEND_KIND_EMBEDDED,
 }
 ADDABLE_KINDS = {value: name for name, value in KIND_NAMES.items() if name != "embedded"}
+LOGPROBS_MODES = {"processed": v1.LOGPROBS_MODE_PROCESSED, "raw": v1.LOGPROBS_MODE_RAW}
+
+
+def _struct(values: dict[str, Any]) -> struct_pb2.Struct:
+    message = struct_pb2.Struct()
+    message.update(values)
+    return message
 
 
 def backend_to_proto(entry: BackendEntry) -> v1.Backend:
@@ -35,6 +44,9 @@ def backend_to_proto(entry: BackendEntry) -> v1.Backend:
         max_in_flight=info.max_in_flight,
         tokenizer_path=str(info.extra.get("tokenizer_path", "")),
         weight=info.weight,
+        tool_call_parser=info.tool_call_parser,
+        chat_template_kwargs=_struct(info.chat_template_kwargs) if info.chat_template_kwargs else None,
+        logprobs_mode=LOGPROBS_MODES.get(info.logprobs_mode, v1.LOGPROBS_MODE_UNSPECIFIED),
         state=v1.BackendState(
             healthy=entry.healthy,
             in_flight=entry.in_flight,
@@ -70,6 +82,9 @@ def backend_from_proto(backend: v1.Backend, *, timeout_s: float, max_retries: in
         max_in_flight=backend.max_in_flight,
         tokenizer_path=backend.tokenizer_path,
         weight=backend.weight or 1.0,
+        tool_call_parser=backend.tool_call_parser or "hermes",
+        chat_template_kwargs=json_format.MessageToDict(backend.chat_template_kwargs),
+        logprobs_mode="raw" if backend.logprobs_mode == v1.LOGPROBS_MODE_RAW else "processed",
     )
     return build_backend(spec, timeout_s=timeout_s, max_retries=max_retries)
 

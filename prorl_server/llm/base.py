@@ -9,6 +9,10 @@ from typing import Any
 
 from prorl_server.llm.chat_template import ChatTokenizer
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "openai", "kimi_k2")
+"""Tool-call formats a model may write in its text (vLLM's --tool-call-parser names); the
+parsers themselves are in agents/tool_calls.py."""
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -20,6 +24,8 @@ class Sampling:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     model: str = ""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Per request, over the backend's own (e.g. {"enable_thinking": False}); token backends only."""
 
     def optional_fields(self, *, seed_key: str = "seed") -> dict[str, Any]:
         """top_p, stop and the seed, only those that are set (backends' defaults otherwise)."""
@@ -58,6 +64,15 @@ class ChatResult:
     """Set when this turn went to another backend than the job's previous turn."""
     prefill_s: float | None = None
     decode_s: float | None = None
+    tool_call_parser: str = ""
+    """How to read tool calls written in `text` (agents/tool_calls.py PARSERS); "" for the default."""
+    tool_role: bool = False
+    """Whether results of calls written in `text` go back as `tool` messages: token backends whose
+    template renders a tool role. (Calls from the API's `tool_calls` always do.)"""
+    logprobs_mode: str = ""
+    """"processed" (after temperature/top-p/top-k, the sampling distribution) or "raw" (before)."""
+    token_offset: int = -1
+    """Where token_ids start in the job's token trajectory (token backends; -1: none)."""
 
 
 @dataclass
@@ -72,6 +87,11 @@ class BackendInfo:
     managed: bool = False
     weight: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
+    tool_call_parser: str = ""
+    """Tool-call format of the served model (vLLM's --tool-call-parser names); "" = hermes."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    logprobs_mode: str = ""
+    """What the backend's log-probs are: "processed" or "raw"."""
 
 
 @dataclass(frozen=True)

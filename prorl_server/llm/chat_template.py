@@ -3,44 +3,151 @@
 A `ChatTokenizer` renders messages with the model's chat template (Jinja, as
 in Hugging Face's `tokenizer_config.json` or a GGUF file's
 `tokenizer.chat_template`) and turns text into ids and back.
+
+Rendering follows Hugging Face transformers' `apply_chat_template` exactly,
+because that is what vLLM and SGLang render with and what the models were
+trained on: a sandboxed Jinja environment with `trim_blocks`, `lstrip_blocks`
+and the `loopcontrols` extension; a `tojson` that keeps key order and text
+(`json.dumps(..., ensure_ascii=False)`, not Jinja's own, which sorts keys and
+HTML-escapes); `strftime_now`; `raise_exception`; message keys whose value is
+None dropped; the special tokens (`bos_token`, `eos_token`, ...) and the
+`chat_template_kwargs` (e.g. `enable_thinking`) as template variables.
+
+A template that cannot render (its own `raise_exception`, a syntax error, a
+type error on unexpected input) raises `LLMError` with reason
+`llm_template`: an infrastructure failure with the template's message,
+never an internal error.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
+
+from prorl_server.errors import LLMError
+
+
+class TemplateRaised(jinja2.TemplateError):
+    """The template's own `raise_exception(...)`."""
 
 
 def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)
+    raise TemplateRaised(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_template(template: str) -> jinja2.Template:
+    """The template compiled in an environment with transformers' semantics."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as exc:
+        raise LLMError(f"the chat template does not compile: {exc}", reason="llm_template") from None
+
+
+def _without_none(message: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers drops keys whose value is None: templates test for a missing key."""
+    return {key: value for key, value in message.items() if value is not None}
 
 
 class ChatTokenizer(abc.ABC):
     """The model's tokenizer plus its chat template."""
 
-    def __init__(self, template: str, *, special_tokens: dict[str, str] | None = None) -> None:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        self._template = env.from_string(template)
-        self._special = special_tokens or {}
+    def __init__(
+        self,
+        template: str,
+        *,
+        special_tokens: dict[str, str] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._template = compile_template(template)
+        self._special = {key: value for key, value in (special_tokens or {}).items() if value}
+        self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
+        """`chat_template_kwargs` of the backend, e.g. {"enable_thinking": False}."""
+        self._tool_role: bool | None = None
 
     def render(
         self,
-        messages: Sequence[dict[str, Any]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool,
         tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        return self._template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            tools=list(tools) if tools else None,
-            **self._special,
-        )
+        """The template's text, as transformers' `apply_chat_template(..., tokenize=False)` gives it.
+
+        `template_kwargs` (per request) override the backend's, which override the special tokens.
+        """
+        variables: dict[str, Any] = {**self._special, **self.template_kwargs, **(template_kwargs or {})}
+        try:
+            return self._template.render(
+                messages=[_without_none(m) for m in messages],
+                tools=list(tools) if tools else None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except TemplateRaised as exc:
+            raise LLMError(f"the chat template refused the conversation: {exc}", reason="llm_template") from None
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise LLMError(
+                f"the chat template failed to render ({type(exc).__name__}: {exc})", reason="llm_template"
+            ) from None
+
+    @property
+    def renders_tool_role(self) -> bool:
+        """Whether the template renders a `tool` message after an assistant tool call.
+
+        Templates without a tool role (Gemma's alternate user/model only; some drop
+        unknown roles) get tool results as a user message instead.
+        """
+        if self._tool_role is None:
+            probe = "tool output 7f3a"
+            messages: list[dict[str, Any]] = [
+                {"role": "user", "content": "u"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"id": "call00001", "type": "function", "function": {"name": "probe", "arguments": {}}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call00001", "name": "probe", "content": probe},
+            ]
+            try:
+                self._tool_role = probe in self.render(messages, add_generation_prompt=True)
+            except LLMError:
+                self._tool_role = False
+        return self._tool_role
+
+    @property
+    def bos_text(self) -> str:
+        return self._special.get("bos_token", "")
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -52,7 +159,10 @@ class ChatTokenizer(abc.ABC):
     @property
     @abc.abstractmethod
     def bos_ids(self) -> list[int]:
-        """Ids the model expects at the very start of a sequence (may be empty)."""
+        """Ids to put before a rendering that does not start with the BOS itself (may be empty).
+
+        Hugging Face tokenizers: always empty; transformers tokenizes a rendered chat
+        with `add_special_tokens=False`, so the template alone writes the BOS."""
 
     @property
     @abc.abstractmethod

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from prorl_server.errors import InvalidArgument
+from prorl_server.llm.base import TOOL_CALL_PARSERS as PARSERS
 from prorl_server.llm.base import BackendInfo, LLMBackend
 from prorl_server.llm.hf_tokenizer import HFTokenizer
 from prorl_server.llm.openai_chat import OpenAIChatBackend
@@ -23,6 +25,9 @@ class BackendSpec:
     max_in_flight: int = 0
     tokenizer_path: str = ""
     weight: float = 1.0
+    tool_call_parser: str = "hermes"
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    logprobs_mode: str = "processed"
 
 
 def build_backend(spec: BackendSpec, *, timeout_s: float, max_retries: int) -> LLMBackend:
@@ -34,7 +39,16 @@ def build_backend(spec: BackendSpec, *, timeout_s: float, max_retries: int) -> L
         max_in_flight=spec.max_in_flight,
         weight=spec.weight,
         extra={"tokenizer_path": spec.tokenizer_path} if spec.tokenizer_path else {},
+        tool_call_parser=spec.tool_call_parser,
+        chat_template_kwargs=dict(spec.chat_template_kwargs),
+        logprobs_mode=spec.logprobs_mode,
     )
+    if spec.tool_call_parser and spec.tool_call_parser not in PARSERS:
+        raise InvalidArgument(
+            f"backend {spec.id!r}: unknown tool_call_parser {spec.tool_call_parser!r}; use one of {', '.join(PARSERS)}"
+        )
+    if spec.logprobs_mode not in ("processed", "raw", ""):
+        raise InvalidArgument(f"backend {spec.id!r}: logprobs_mode must be processed or raw")
     if spec.kind == "openai_chat":
         return OpenAIChatBackend(info, api_key=spec.api_key, timeout_s=timeout_s, max_retries=max_retries)
     if spec.kind in ("vllm", "sglang"):
@@ -45,6 +59,10 @@ def build_backend(spec: BackendSpec, *, timeout_s: float, max_retries: int) -> L
             )
         backend_class = VLLMBackend if spec.kind == "vllm" else SGLangBackend
         return backend_class(
-            info, HFTokenizer(spec.tokenizer_path), api_key=spec.api_key, timeout_s=timeout_s, max_retries=max_retries
+            info,
+            HFTokenizer(spec.tokenizer_path, template_kwargs=spec.chat_template_kwargs),
+            api_key=spec.api_key,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
         )
     raise InvalidArgument(f"unknown backend kind {spec.kind!r}; use one of {', '.join(KINDS)}")

@@ -99,6 +99,9 @@ def _log_softmax(logits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 class LlamaCppBackend(TokenBackend):
     def __init__(self, info: BackendInfo, *, model_path: Path | None, context_length: int, threads: int) -> None:
         self.info = info
+        # Log-probs under softmax(logits / T), the distribution sampled from; SmolLM2 writes <tool_call>.
+        info.logprobs_mode = info.logprobs_mode or "processed"
+        info.tool_call_parser = info.tool_call_parser or "hermes"
         self._model_path = model_path or default_model_path()
         self._context_length = context_length
         self._threads = threads

@@ -45,6 +45,9 @@ class OpenAIChatBackend(ChatBackend):
         payload.update(sampling.optional_fields())
         if tools and self._send_tools:
             payload["tools"] = list(tools)
+        kwargs = {**self.info.chat_template_kwargs, **sampling.chat_template_kwargs}
+        if kwargs:  # vLLM's and SGLang's chat endpoints take them; sent only when set
+            payload["chat_template_kwargs"] = kwargs
         return payload
 
     async def chat(

@@ -61,6 +61,10 @@ class LLMSession:
                 switched_from_backend=switched,
                 prefill_s=result.prefill_s,
                 decode_s=result.decode_s,
+                tool_call_parser=entry.backend.info.tool_call_parser,
+                tool_role=result.tool_role,
+                logprobs_mode=entry.backend.info.logprobs_mode,
+                token_offset=result.token_offset,
             )
 
     async def _call(
@@ -76,7 +80,9 @@ class LLMSession:
         assert isinstance(backend, TokenBackend)
         if self._conversation is None:
             # Templates with tool support render the tools themselves (others ignore them).
-            self._conversation = TokenConversation(backend.tokenizer, tools or None)
+            self._conversation = TokenConversation(
+                backend.tokenizer, tools or None, template_kwargs=sampling.chat_template_kwargs
+            )
         conversation = self._conversation
         prompt = conversation.prompt(messages)
         generation = await backend.generate(prompt, sampling)
@@ -94,7 +100,13 @@ class LLMSession:
             latency_s=generation.latency_s,
             prefill_s=generation.prefill_s,
             decode_s=generation.decode_s,
+            tool_role=backend.tokenizer.renders_tool_role,
+            token_offset=conversation.turn_spans[-1][0],
         )
+
+    def turn_spans(self) -> list[tuple[int, int]]:
+        """(start, end) of each turn's sampled ids in the token trajectory; empty for chat backends."""
+        return list(self._conversation.turn_spans) if self._conversation is not None else []
 
     def token_trajectory(self) -> tuple[list[int], list[int], list[float]]:
         """(token_ids, loss_mask, logprobs) of the whole trajectory; empty for chat backends."""

@@ -1,82 +1,149 @@
 """Exact token trajectories across turns: no re-tokenisation drift.
 
 Each turn's prompt is the previous prompt + the ids the model sampled + the
-ids of the new messages only. The sampled ids are never re-tokenised, so the
+ids that close its reply and carry the new messages. The sampled ids are
+never re-tokenised and history already sent is never rendered again, so the
 trajectory's token_ids are exactly what the model saw and produced, and the
 loss mask is 1 exactly on the sampled ids.
 
-The ids of the new messages come from the chat template itself: the text the
-template renders for the whole conversation, minus the text it renders for
-the conversation so far. What follows the assistant's content in the
-template (e.g. `<|im_end|>\\n`) is added as prompt tokens with the next
-prompt, less any of it the model already sampled (its end-of-turn token); so
-the trajectory is always exactly the last prompt followed by the last sample.
+First prompt: the template's rendering of the conversation with the
+generation prompt, exactly as transformers' `apply_chat_template` tokenizes
+it (the template writes the BOS; a tokenizer that wants a BOS the template
+does not write gets it once, in front).
+
+Later prompts: many templates render a past reply differently once more
+messages follow it (Qwen3 and DeepSeek-R1 drop thinking, Llama and Gemma
+`trim`, Mistral moves the system prompt to the last user message, Phi
+appends the EOS when no generation prompt follows), so the real
+conversation is never re-rendered. The new messages are rendered after a
+fixed base conversation instead: a short user message, then an assistant
+message whose text (or whose tool calls' arguments) is a sentinel, with the
+same tool call names and ids as the real reply (templates need those to
+render tool results). What the template writes after the sentinel, from the
+first end-of-turn token on, is the closing of the reply plus the new
+messages plus the generation prompt; it is tokenized and appended. If the
+model sampled an end-of-turn token itself, the template's end-of-turn token
+is left out: it is already there. Since the base and the sentinel are
+rendered once per turn and discarded, the BOS, default system prompts and
+tool declarations never repeat.
+
+Where no base renders (a template that refuses every shape), the turn fails
+as an infrastructure `LLMError` (reason `llm_template`) with the reason:
+never silently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import secrets
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prorl_server.errors import LLMError
 from prorl_server.llm.chat_template import ChatTokenizer
 
 
+def new_sentinel() -> str:
+    """Text no template changes (letters and digits: nothing to trim, no think tags, no specials)."""
+    return "Zq" + secrets.token_hex(8) + "Qz"
+
+
+CLOSERS = ("<|end|>",)
+"""End-of-message tokens that are not stop tokens (gpt-oss ends a past message with `<|end|>`,
+its generation with `<|return|>` or `<|call|>`). Used only when the tokenizer has them."""
+
+
 class TokenConversation:
-    def __init__(self, tokenizer: ChatTokenizer, tools: Sequence[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
-        self._tools = tools
+        self._tools = list(tools) if tools else None
+        self._kwargs = dict(template_kwargs or {})
         self._messages: list[dict[str, Any]] = []
         self.token_ids: list[int] = []
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
-        self._last_text = ""
-        """The rendered text the current token_ids correspond to (prompt side)."""
-        self._closing: list[int] = []
-        """Template tokens that close the last reply, added with the next prompt."""
-
-    def _render(self, messages: Sequence[dict[str, Any]], *, generation: bool) -> str:
-        return self._tokenizer.render(messages, add_generation_prompt=generation, tools=self._tools)
+        self.turn_spans: list[tuple[int, int]] = []
+        """(start, end) of each turn's sampled ids in token_ids."""
+        self._awaiting_reply = False
+        self._sampled_stop = False
+        self._ends = _end_markers(tokenizer)
 
     def prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """The ids to send for `messages` (the whole conversation so far)."""
-        if [_key(m) for m in messages[: len(self._messages)]] != [_key(m) for m in self._messages]:
+        known = len(self._messages)
+        if [_key(m) for m in messages[:known]] != [_key(m) for m in self._messages] or len(messages) < known:
             raise LLMError(
                 "the conversation was rewritten between turns; token trajectories only grow", reason="llm_prompt"
             )
-        full = self._render(messages, generation=True)
+        if self._awaiting_reply:  # the same request again (after a pause aborted it)
+            if len(messages) != known:
+                raise LLMError("a new prompt before the reply to the last one", reason="llm_prompt")
+            return list(self.token_ids)
         if not self._messages:
-            ids = self._tokenizer.bos_ids + self._tokenizer.encode(full)
+            ids = self._first_prompt(messages)
         else:
-            if not full.startswith(self._last_text):
-                raise LLMError(
-                    "the chat template does not render the conversation as a growing prefix", reason="llm_prompt"
-                )
-            ids = self._closing + self._tokenizer.encode(full[len(self._last_text) :])
-            self._closing = []
+            ids = self._continuation(messages[known - 1], messages[known:])
         self._append(ids, sampled=False)
-        self._messages = list(messages)
-        self._last_text = full
+        self._messages = [dict(m) for m in messages]
+        self._awaiting_reply = True
         return list(self.token_ids)
 
     def record(self, assistant: dict[str, Any], sampled_ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """Add the model's reply: its sampled ids (mask 1), then what the template closes it with."""
+        """Add the model's reply: its sampled ids (mask 1) and log-probs, exactly as sampled."""
+        start = len(self.token_ids)
         self._append(list(sampled_ids), sampled=True, logprobs=logprobs)
-        before = self._last_text
+        self.turn_spans.append((start, len(self.token_ids)))
         self._messages.append(assistant)
-        rendered = self._render(self._messages, generation=False)
-        content = str(assistant.get("content") or "")
-        index = rendered.find(content, len(before)) if content else len(before)
-        if not rendered.startswith(before) or index < 0:
-            raise LLMError(
-                "the chat template changed the assistant's text; cannot keep exact tokens", reason="llm_prompt"
-            )
-        closing = rendered[index + len(content) :]
-        sampled_tail = self._tokenizer.decode([sampled_ids[-1]]) if sampled_ids else ""
-        if sampled_tail and sampled_ids[-1] in self._tokenizer.stop_ids and closing.startswith(sampled_tail):
-            closing = closing[len(sampled_tail) :]
-        self._closing = self._tokenizer.encode(closing) if closing else []
-        self._last_text = rendered
+        self._sampled_stop = bool(sampled_ids) and sampled_ids[-1] in self._tokenizer.stop_ids
+        self._awaiting_reply = False
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[dict[str, Any]] | None) -> str:
+        return self._tokenizer.render(messages, add_generation_prompt=True, tools=tools, template_kwargs=self._kwargs)
+
+    def _first_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        text = self._render(messages, self._tools)
+        ids = self._tokenizer.encode(text)
+        bos_text = self._tokenizer.bos_text
+        if self._tokenizer.bos_ids and not (bos_text and text.startswith(bos_text)):
+            ids = self._tokenizer.bos_ids + ids
+        return ids
+
+    def _continuation(self, assistant: Mapping[str, Any], new: Sequence[dict[str, Any]]) -> list[int]:
+        """Ids that close the last reply, then the new messages, then the generation prompt."""
+        problems: list[str] = []
+        sentinel = new_sentinel()
+        while sentinel in json.dumps(list(new), ensure_ascii=False):  # never found in a new message
+            sentinel = new_sentinel()
+        for base, in_call in _bases(assistant, sentinel):
+            try:
+                text = self._render([*base, *new], None)
+            except LLMError as exc:
+                problems.append(str(exc))
+                continue
+            index = text.rfind(sentinel)
+            if index < 0:
+                problems.append("the template dropped the reply")
+                continue
+            tail = text[index + len(sentinel) :]
+            end = _first_end(tail, self._ends)
+            if end is None:
+                if in_call:  # the rest of the rendered call would follow: try a plainer base
+                    problems.append("no end-of-turn token after a tool call")
+                    continue
+                return self._tokenizer.encode(tail)
+            position, marker = end
+            rest = tail[position + len(marker) :] if self._sampled_stop else tail[position:]
+            return self._tokenizer.encode(rest)
+        raise LLMError(
+            "cannot build the next prompt with this chat template: " + "; ".join(dict.fromkeys(problems)),
+            reason="llm_template",
+        )
 
     def _append(self, ids: list[int], *, sampled: bool, logprobs: Sequence[float] = ()) -> None:
         self.token_ids.extend(ids)
@@ -84,5 +151,45 @@ class TokenConversation:
         self.logprobs.extend(list(logprobs) if sampled else [0.0] * len(ids))
 
 
-def _key(message: dict[str, Any]) -> tuple[str, str]:
+def _bases(assistant: Mapping[str, Any], sentinel: str) -> list[tuple[list[dict[str, Any]], bool]]:
+    """Base conversations to render new messages after, most faithful first; True: sentinel in a tool call."""
+    user: dict[str, Any] = {"role": "user", "content": "Hello."}
+    system: dict[str, Any] = {"role": "system", "content": "You are a helpful assistant."}
+    plain: dict[str, Any] = {"role": "assistant", "content": sentinel}
+    calls = [
+        {
+            "id": str(call.get("id") or ""),
+            "type": "function",
+            "function": {"name": str((call.get("function") or {}).get("name") or ""), "arguments": {"s": sentinel}},
+        }
+        for call in assistant.get("tool_calls") or []
+    ]
+    shapes: list[tuple[dict[str, Any], bool]] = []
+    if calls:
+        shapes += [
+            ({"role": "assistant", "content": None, "tool_calls": calls}, True),
+            ({"role": "assistant", "content": "", "tool_calls": calls}, True),
+        ]
+    shapes.append((plain, False))
+    return [([*prefix, reply], in_call) for prefix in ([user], [system, user]) for reply, in_call in shapes]
+
+
+def _end_markers(tokenizer: ChatTokenizer) -> list[str]:
+    markers = {tokenizer.decode([i]) for i in tokenizer.stop_ids}
+    for closer in CLOSERS:
+        ids = tokenizer.encode(closer)
+        if len(ids) == 1:
+            markers.add(closer)
+    return sorted((m for m in markers if m), key=len, reverse=True)
+
+
+def _first_end(text: str, markers: Sequence[str]) -> tuple[int, str] | None:
+    found = [(text.find(marker), marker) for marker in markers]
+    hits = [(pos, marker) for pos, marker in found if pos >= 0]
+    if not hits:
+        return None
+    return min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+
+
+def _key(message: Mapping[str, Any]) -> tuple[str, str]:
     return str(message.get("role")), str(message.get("content") or "")

@@ -11,8 +11,8 @@ def test_text_calls_are_read_in_order() -> None:
     )
     calls = from_text(text, id_prefix="t0")
     assert [(c.id, c.name, c.arguments, c.error) for c in calls] == [
-        ("t0_0", "python", {"code": "print(1)"}, None),
-        ("t0_1", "finish", {"answer": "1"}, None),
+        ("t0c000000", "python", {"code": "print(1)"}, None),
+        ("t0c000001", "finish", {"answer": "1"}, None),
     ]
 
 

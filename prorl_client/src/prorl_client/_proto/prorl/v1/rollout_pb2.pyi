@@ -35,6 +35,12 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_KIND_UNSPECIFIED: _ClassVar[FailureKind]
     FAILURE_KIND_INFRASTRUCTURE: _ClassVar[FailureKind]
     FAILURE_KIND_POLICY: _ClassVar[FailureKind]
+
+class LogprobsMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROBS_MODE_UNSPECIFIED: _ClassVar[LogprobsMode]
+    LOGPROBS_MODE_PROCESSED: _ClassVar[LogprobsMode]
+    LOGPROBS_MODE_RAW: _ClassVar[LogprobsMode]
 JOB_STATUS_UNSPECIFIED: JobStatus
 JOB_STATUS_QUEUED: JobStatus
 JOB_STATUS_RUNNING: JobStatus
@@ -49,6 +55,9 @@ PHASE_EVAL: Phase
 FAILURE_KIND_UNSPECIFIED: FailureKind
 FAILURE_KIND_INFRASTRUCTURE: FailureKind
 FAILURE_KIND_POLICY: FailureKind
+LOGPROBS_MODE_UNSPECIFIED: LogprobsMode
+LOGPROBS_MODE_PROCESSED: LogprobsMode
+LOGPROBS_MODE_RAW: LogprobsMode
 
 class RolloutRequest(_message.Message):
     __slots__ = ("job_id", "handler", "instance", "sampling", "limits", "sandbox", "group_id", "priority", "labels", "retry")
@@ -88,20 +97,22 @@ class RetryPolicy(_message.Message):
     def __init__(self, max_restarts: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "max_tokens", "stop", "seed", "model")
+    __slots__ = ("temperature", "top_p", "max_tokens", "stop", "seed", "model", "chat_template_kwargs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     max_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     seed: int
     model: str
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    chat_template_kwargs: _struct_pb2.Struct
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., model: _Optional[str] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class AgentLimits(_message.Message):
     __slots__ = ("max_turns", "tool_timeout", "budget")
@@ -162,20 +173,38 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallSpec, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("messages", "token_ids", "loss_mask", "logprobs", "turn_policy_versions", "num_turns")
+    __slots__ = ("messages", "token_ids", "loss_mask", "logprobs", "turn_policy_versions", "num_turns", "turn_spans", "format_errors")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TURN_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
+    TURN_SPANS_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_ERRORS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     turn_policy_versions: _containers.RepeatedScalarFieldContainer[int]
     num_turns: int
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., turn_policy_versions: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ...) -> None: ...
+    turn_spans: _containers.RepeatedCompositeFieldContainer[TurnSpan]
+    format_errors: int
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., turn_policy_versions: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ..., turn_spans: _Optional[_Iterable[_Union[TurnSpan, _Mapping]]] = ..., format_errors: _Optional[int] = ...) -> None: ...
+
+class TurnSpan(_message.Message):
+    __slots__ = ("turn", "start", "end", "policy_version", "logprobs_mode")
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    turn: int
+    start: int
+    end: int
+    policy_version: int
+    logprobs_mode: LogprobsMode
+    def __init__(self, turn: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., policy_version: _Optional[int] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue", "init", "run", "eval", "llm", "tools", "sandbox_acquire", "total", "cleanup")
@@ -291,7 +320,7 @@ class PhaseStarted(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., queue_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ModelTurn(_message.Message):
-    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version", "switched_from_backend", "prefill", "decode")
+    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version", "switched_from_backend", "prefill", "decode", "logprobs_mode", "token_offset")
     TURN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +334,8 @@ class ModelTurn(_message.Message):
     SWITCHED_FROM_BACKEND_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     turn: int
     prompt_token_count: int
     completion_token_count: int
@@ -318,7 +349,9 @@ class ModelTurn(_message.Message):
     switched_from_backend: str
     prefill: _duration_pb2.Duration
     decode: _duration_pb2.Duration
-    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ..., switched_from_backend: _Optional[str] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    logprobs_mode: LogprobsMode
+    token_offset: int
+    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ..., switched_from_backend: _Optional[str] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., token_offset: _Optional[int] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("turn", "call")

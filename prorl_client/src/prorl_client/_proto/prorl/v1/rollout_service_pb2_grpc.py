@@ -33,7 +33,9 @@ class RolloutServiceStub:
     Errors use canonical status codes: INVALID_ARGUMENT for a malformed request
     (the message names the field), NOT_FOUND for an unknown job id,
     ALREADY_EXISTS when a job id is reused for a different request,
-    RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while shutting down.
+    PERMISSION_DENIED for what this server's policy refuses (a sandbox image
+    outside its allow-list), RESOURCE_EXHAUSTED when the queue is full,
+    UNAVAILABLE while shutting down.
     """
 
     def __init__(self, channel):
@@ -85,7 +87,9 @@ class RolloutServiceServicer:
     Errors use canonical status codes: INVALID_ARGUMENT for a malformed request
     (the message names the field), NOT_FOUND for an unknown job id,
     ALREADY_EXISTS when a job id is reused for a different request,
-    RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while shutting down.
+    PERMISSION_DENIED for what this server's policy refuses (a sandbox image
+    outside its allow-list), RESOURCE_EXHAUSTED when the queue is full,
+    UNAVAILABLE while shutting down.
     """
 
     def Rollout(self, request, context):
@@ -195,7 +199,9 @@ class RolloutService:
     Errors use canonical status codes: INVALID_ARGUMENT for a malformed request
     (the message names the field), NOT_FOUND for an unknown job id,
     ALREADY_EXISTS when a job id is reused for a different request,
-    RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while shutting down.
+    PERMISSION_DENIED for what this server's policy refuses (a sandbox image
+    outside its allow-list), RESOURCE_EXHAUSTED when the queue is full,
+    UNAVAILABLE while shutting down.
     """
 
     @staticmethod
