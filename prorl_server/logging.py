@@ -10,7 +10,10 @@ import structlog
 
 def configure_logging(*, log_format: str = "console", level: str = "info") -> None:
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if log_format == "json" else structlog.dev.ConsoleRenderer()
+        structlog.processors.JSONRenderer()
+        if log_format == "json"
+        # No colour codes in a log file (the demo sends the server's log to one).
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
     structlog.configure(
         processors=[

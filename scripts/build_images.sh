@@ -57,7 +57,9 @@ done
 
 # SWE tasks: one image per task, holding a real project's repository at the
 # task's base commit; the sources come from PyPI (pip download) on the host.
-swe() { PYTHONPATH="$ROOT" python3 -m prorl_server.datasets.swe "$@"; }
+# The project's venv (make exports PYTHON): Debian's python3 has no pip for `pip download`.
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+swe() { PYTHONPATH="$ROOT" "$PYTHON" -m prorl_server.datasets.swe "$@"; }
 for task in "$ROOT"/sandbox_images/swe/tasks/*/; do
     [[ -f "$task/task.json" ]] || continue
     tag="$(swe image "$task")"

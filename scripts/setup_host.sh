@@ -14,6 +14,10 @@ APT_PACKAGES+=(git)
 APT_PACKAGES+=(golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev
                protobuf-compiler protobuf-compiler-grpc libgrpc++-dev g++ pkg-config openssl)
 
+# The project's virtual environment (Debian's python3 refuses pip installs) and
+# the headers llama-cpp-python builds against; chromium: the viewer's browser test.
+APT_PACKAGES+=(python3-venv python3-dev chromium)
+
 # npx runs buf (the contract's linter) from the npm registry.
 command -v npx >/dev/null 2>&1 || APT_PACKAGES+=(npm)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from prorl_client import v1
+from tests import chromium
 from tests.conftest import instance_id
 from tests.helpers import math_request
 
@@ -76,7 +77,18 @@ def test_demo_command_writes_one_line_per_rollout(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(line["task_id"] for line in lines) == ["add-1", "mul-1"]
     assert all(line["status"] == "JOB_STATUS_SUCCEEDED" and line["messages"] for line in lines)
+    assert all(line["handler"] == "math" and line["timeline"] for line in lines)
+    # The terminal shows progress and the summary; the server's log went to a file.
     assert "rollouts 2/2" in completed.stderr
+    assert f"server log: {tmp_path / 'demo_server.log'}" in completed.stderr
+    assert (tmp_path / "demo_server.log").is_file()
+    assert not [line for line in completed.stderr.splitlines() if "[warning" in line or "[info" in line]
+    assert any(row.split()[:3] == ["math", "2", "2"] for row in completed.stderr.splitlines())
+    # The trajectory viewer, opened in a real browser: token text from the model's vocabulary.
+    page = tmp_path / "trajectories.html"
+    assert f"trajectory viewer: file://{page}" in completed.stderr
+    dom = chromium.check_page(page, rollouts=2, tokens=True)
+    assert "&lt;|im_start|&gt;" in dom and "token ids shown" not in dom
 
 
 async def test_prorl_run_over_a_mixed_dataset(start_server, tmp_path: Path) -> None:

@@ -12,7 +12,12 @@ the trajectory in the form trainers consume (token_ids, loss_mask, logprobs).
 Rerunning with the same output file skips the rollouts already in it; job
 ids are derived from the output file, so a rollout the server still holds
 (finished, or running when the previous run was interrupted) is reattached
-rather than run twice.
+rather than run twice. Each line also carries the task's handler (its
+family) and a timeline of the rollout (queue, phases, model turns, tool
+calls, cleanup) built from the streamed events, which `prorl view` draws.
+
+`prorl view RESULTS.jsonl --out report.html` turns such a file into one
+self-contained HTML page (see prorl_client.viewer).
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -33,6 +37,7 @@ from google.protobuf.json_format import MessageToDict, ParseDict
 
 from prorl_client import v1
 from prorl_client._client import Client
+from prorl_client.display import RunDisplay, print_summary
 
 
 def rollout_key(task_id: str, sample: int) -> str:
@@ -88,12 +93,20 @@ def build_request(task: dict[str, Any], sample: int, run_id: str) -> v1.RolloutR
     return request
 
 
-def result_record(task_id: str, sample: int, result: v1.RolloutResult) -> dict[str, Any]:
+def result_record(
+    task_id: str,
+    sample: int,
+    result: v1.RolloutResult,
+    *,
+    handler: str = "",
+    timeline: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     trajectory = result.trajectory
     return {
         "task_id": task_id,
         "sample": sample,
         "job_id": result.job_id,
+        "handler": handler,
         "status": v1.JobStatus.Name(result.status),
         "reward": result.reward,
         "failure": MessageToDict(result.failure) if result.HasField("failure") else None,
@@ -102,36 +115,96 @@ def result_record(task_id: str, sample: int, result: v1.RolloutResult) -> dict[s
         "loss_mask": list(trajectory.loss_mask),
         "logprobs": [float(x) for x in trajectory.logprobs],
         "turn_policy_versions": list(trajectory.turn_policy_versions),
+        # Where each turn's sampled ids are in token_ids (token backends), with its policy version.
+        "turn_spans": [
+            MessageToDict(span, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+            for span in trajectory.turn_spans
+        ],
         "num_turns": trajectory.num_turns,
         "timing": MessageToDict(result.timing),
         "details": MessageToDict(result.details),
+        "timeline": timeline or [],
     }
 
 
-class Progress:
-    def __init__(self, total: int, stream: TextIO) -> None:
-        self.total = total
-        self.done = self.failed = 0
-        self.reward_sum = 0.0
-        self.started = time.monotonic()
-        self._stream = stream
+def _seconds(duration: Any) -> float:
+    return float(duration.ToNanoseconds()) / 1e9
 
-    def update(self, result: v1.RolloutResult | None) -> None:
-        self.done += 1
-        if result is None or result.status != v1.JOB_STATUS_SUCCEEDED:
-            self.failed += 1
-        if result is not None:
-            self.reward_sum += result.reward
-        self.render()
 
-    def render(self) -> None:
-        minutes = max(time.monotonic() - self.started, 1e-6) / 60
-        mean = self.reward_sum / self.done if self.done else 0.0
-        self._stream.write(
-            f"\rrollouts {self.done}/{self.total} | failed {self.failed} | mean reward {mean:.3f} "
-            f"| {self.done / minutes:.1f} rollouts/min"
-        )
-        self._stream.flush()
+class Timeline:
+    """A job's spans in seconds from its first event, from the events the runner saw.
+
+    Events carry the time they happened; a model turn's and a tool result's
+    is when they ended, so each starts its latency or duration earlier. The
+    phases' lengths and the cleanup come from the result's timing.
+    """
+
+    def __init__(self) -> None:
+        self._origin: float | None = None
+        self._phase_starts: dict[str, float] = {}
+        self._call_names: dict[str, str] = {}
+        self.spans: list[dict[str, Any]] = []
+
+    def _at(self, event: v1.RolloutEvent) -> float:
+        at = event.time.ToNanoseconds() / 1e9
+        if self._origin is None:
+            self._origin = at
+        return at - self._origin
+
+    def add(self, event: v1.RolloutEvent) -> None:
+        at = self._at(event)
+        kind = event.WhichOneof("kind")
+        if kind == "phase_started":
+            name = v1.Phase.Name(event.phase_started.phase).removeprefix("PHASE_").lower()
+            self._phase_starts[name] = at
+        elif kind == "model_turn":
+            turn = event.model_turn
+            latency = _seconds(turn.latency)
+            self.spans.append(
+                {
+                    "kind": "model",
+                    "name": f"turn {turn.turn}",
+                    "start": round(at - latency, 4),
+                    "end": round(at, 4),
+                    "turn": turn.turn,
+                    "policy_version": turn.policy_version,
+                    "backend": turn.backend_id,
+                    "finish_reason": turn.finish_reason,
+                    "prompt_tokens": turn.prompt_token_count,
+                    "completion_tokens": turn.completion_token_count,
+                }
+            )
+        elif kind == "tool_call":
+            self._call_names[event.tool_call.call.id] = event.tool_call.call.name
+        elif kind == "tool_result":
+            tool = event.tool_result
+            duration = _seconds(tool.duration)
+            self.spans.append(
+                {
+                    "kind": "tool",
+                    "name": tool.name or self._call_names.get(tool.call_id) or "invalid call",
+                    "start": round(at - duration, 4),
+                    "end": round(at, 4),
+                    "turn": tool.turn,
+                    "error": tool.error,
+                    "exit_code": tool.exit_code if tool.HasField("exit_code") else None,
+                }
+            )
+
+    def finish(self, event: v1.RolloutEvent) -> list[dict[str, Any]]:
+        end = self._at(event)
+        timing = event.finished.result.timing
+        phases = [{"kind": "phase", "name": "queue", "start": 0.0, "end": round(_seconds(timing.queue), 4)}]
+        for name, length in (("init", timing.init), ("run", timing.run), ("eval", timing.eval)):
+            if name in self._phase_starts:
+                start = self._phase_starts[name]
+                phases.append(
+                    {"kind": "phase", "name": name, "start": round(start, 4), "end": round(start + _seconds(length), 4)}
+                )
+        cleanup = _seconds(timing.cleanup)
+        if cleanup:
+            phases.append({"kind": "phase", "name": "cleanup", "start": round(end - cleanup, 4), "end": round(end, 4)})
+        return phases + sorted(self.spans, key=lambda span: span["start"])
 
 
 def pending(tasks: list[dict[str, Any]], samples: int, skip: set[str]) -> Iterator[tuple[dict[str, Any], int]]:
@@ -166,25 +239,58 @@ async def run(
     samples: int = 1,
     run_id: str | None = None,
     progress_stream: TextIO = sys.stderr,
-) -> Progress:
-    """Run every (task, sample) not yet in `out`; append one line per finished rollout."""
+    live: bool | None = None,
+) -> RunDisplay:
+    """Run every (task, sample) not yet in `out`; append one line per finished rollout.
+
+    Progress goes to `progress_stream`: a live bar on a terminal (`live`
+    forces it on or off), a plain line per rollout otherwise.
+    """
     requests, by_job = await asyncio.to_thread(plan, tasks, out, samples=samples, run_id=run_id)
-    progress = Progress(len(requests), progress_stream)
+    handlers = {str(task["id"]): str(task["handler"]) for task in tasks}
+    display = RunDisplay(len(requests), progress_stream, live=live)
     if not requests:
-        return progress
-    progress.render()
-    with out.open("a") as sink:
-        async for item in client.rollout_many(requests):
-            if isinstance(item, v1.RolloutRejected):
-                progress_stream.write(f"\nrejected {item.job_id}: {item.message}\n")
-                progress.update(None)
-            elif item.HasField("finished"):
-                task_id, sample = by_job[item.job_id]
-                sink.write(json.dumps(result_record(task_id, sample, item.finished.result)) + "\n")
-                sink.flush()
-                progress.update(item.finished.result)
-    progress_stream.write("\n")
-    return progress
+        return display
+    timelines: dict[str, Timeline] = {}
+    try:
+        with out.open("a") as sink:
+            async for item in client.rollout_many(requests):
+                if isinstance(item, v1.RolloutRejected):
+                    display.note(f"rejected {item.job_id}: {item.message}")
+                    display.finished(item.job_id, ok=False, reward=0.0)
+                    continue
+                timeline = timelines.setdefault(item.job_id, Timeline())
+                if item.HasField("finished"):
+                    result = item.finished.result
+                    task_id, sample = by_job[item.job_id]
+                    record = result_record(
+                        task_id, sample, result, handler=handlers[task_id], timeline=timeline.finish(item)
+                    )
+                    sink.write(json.dumps(record) + "\n")
+                    sink.flush()
+                    del timelines[item.job_id]
+                    display.finished(item.job_id, ok=result.status == v1.JOB_STATUS_SUCCEEDED, reward=result.reward)
+                else:
+                    timeline.add(item)
+                    if item.HasField("phase_started"):
+                        display.started(item.job_id)
+    finally:
+        display.close()
+    return display
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The complete lines of a results file (a line cut short by an interrupted run is skipped)."""
+    records = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,19 +304,36 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--handler", default="math", help="handler of lines that name none")
     run_parser.add_argument("--token", default=os.environ.get("PRORL_TOKEN"), help="bearer token (or PRORL_TOKEN)")
     run_parser.add_argument("--tls-ca", type=Path, help="PEM CA certificate: connect with TLS, trusting it")
+    view_parser = commands.add_parser("view", help="write RESULTS.jsonl as one self-contained HTML page")
+    view_parser.add_argument("results", type=Path)
+    view_parser.add_argument(
+        "--job", action="append", default=[], metavar="ID", help="only this job id or task id (repeatable)"
+    )
+    view_parser.add_argument("--out", type=Path, help="HTML file to write (default: RESULTS with .html)")
+    view_parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="show token text: a GGUF model file (needs llama-cpp-python) or a Hugging Face tokenizer.json "
+        "or its folder (needs tokenizers); token ids only without it",
+    )
     args = parser.parse_args(argv)
+    if args.command == "view":
+        from prorl_client.viewer import view_command
+
+        return view_command(args.results, out=args.out, jobs=args.job, tokenizer=args.tokenizer)
     if args.samples < 1:
         parser.error("--samples must be at least 1")
     tasks = load_tasks(args.tasks, args.handler)
 
-    async def go() -> Progress:
+    async def go() -> RunDisplay:
         credentials = grpc.ssl_channel_credentials(args.tls_ca.read_bytes()) if args.tls_ca else None
         async with Client.connect(args.server, credentials=credentials, token=args.token) as client:
             return await run(client, tasks, args.out, samples=args.samples)
 
-    progress = asyncio.run(go())
-    print(f"{progress.done} rollouts written to {args.out} ({progress.failed} failed)", file=sys.stderr)
-    return 0 if progress.done == progress.total else 1
+    display = asyncio.run(go())
+    print_summary(read_records(args.out), sys.stderr)
+    print(f"{display.done} rollouts written to {args.out} ({display.failed} failed)", file=sys.stderr)
+    return 0 if display.done == display.total else 1
 
 
 if __name__ == "__main__":
