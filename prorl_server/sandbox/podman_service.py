@@ -38,6 +38,14 @@ class PodmanService:
         return f"unix://{self.socket_path}"
 
     def _command(self) -> tuple[list[str], Path]:
+        command, socket_path = self._service_command()
+        # The service ends with the server, even a SIGKILLed one: setpriv (util-linux)
+        # asks the kernel to send SIGTERM when the server dies, and runuser passes it on.
+        if shutil.which("setpriv") is not None:
+            command = ["setpriv", "--pdeathsig", "SIGTERM", "--", *command]
+        return command, socket_path
+
+    def _service_command(self) -> tuple[list[str], Path]:
         if shutil.which("podman") is None:
             raise SandboxError("podman is not installed: run scripts/setup_host.sh")
         if os.geteuid() != 0:

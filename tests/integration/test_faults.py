@@ -129,3 +129,34 @@ async def test_a_backend_killed_mid_rollout_hands_the_turn_to_another(scripted_l
     assert [turn.backend_id for turn in turns] == ["first", "second"]
     assert turns[1].switched_from_backend == "first"
     assert len(first.requests) == 1 and len(second.requests) == 1
+
+
+async def test_a_sigkilled_server_leaves_no_podman_service_behind(scripted_llm) -> None:
+    """The server's own `podman system service` (started as the sandbox user) ends
+    with the server even when the server is SIGKILLed and runs no clean-up."""
+    llm = await scripted_llm(hang_on_hang_requests)
+    settings = (
+        f"server.instance_id={instance_id('orphan')}",
+        f'llm.backends=[{{"id": "scripted", "base_url": "{llm.base_url}"}}]',
+        "jobs.store=false",
+        "server.shutdown_grace_s=0",
+    )
+    async with ServeProcess(*settings) as server:
+        assert server.process is not None
+        socket_suffix = f"-{server.process.pid}.sock"
+
+        def services() -> list[str]:
+            found = []
+            for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    args = cmdline.read_bytes().split(b"\0")
+                except OSError:  # the process ended meanwhile
+                    continue
+                if b"service" in args and any(arg.decode(errors="replace").endswith(socket_suffix) for arg in args):
+                    found.append(cmdline.parent.name)
+            return found
+
+        assert services(), "the server should have started its own podman service"
+        server.process.send_signal(signal.SIGKILL)
+        assert await server.wait() == -signal.SIGKILL
+        await assert_eventually(lambda: not services(), timeout_s=30, message="podman service outlived the server")
