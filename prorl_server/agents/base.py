@@ -22,7 +22,7 @@ from prorl_server.sandbox.base import Sandbox
 from prorl_server.sandbox.output import cap_text
 
 ChatFn = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]], Sampling], Awaitable[ChatResult]]
-SandboxFactory = Callable[[str | None], Awaitable[Sandbox]]
+SandboxFactory = Callable[[], Awaitable[Sandbox]]
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,14 @@ class RolloutContext:
         self._sandboxes: list[Sandbox] = []
         self.sandbox_acquire_s = 0.0
 
-    async def open_sandbox(self, image: str | None = None) -> Sandbox:
-        """Start a sandbox for this job; the pipeline removes it when the job ends."""
+    async def open_sandbox(self) -> Sandbox:
+        """Start a sandbox for this job; the pipeline removes it when the job ends.
+
+        Every sandbox of a job is of the job's image (the request's, else the
+        handler's `image_for`, else the default), which Submit checked against
+        the server's allow-list: a handler cannot pick another one here."""
         started = time.perf_counter()
-        sandbox = await self._sandbox_factory(image)
+        sandbox = await self._sandbox_factory()
         self.sandbox_acquire_s += time.perf_counter() - started
         self._sandboxes.append(sandbox)
         return sandbox

@@ -69,9 +69,9 @@ class Pipeline:
         plan = job.plan
         assert plan is not None, "a restored job never runs again"
 
-        async def open_sandbox(image: str | None) -> Sandbox:
+        async def open_sandbox() -> Sandbox:
             spec = SandboxSpec(
-                image=image or plan.image or "",
+                image=plan.image or "",
                 cpus=plan.cpus,
                 memory_mib=plan.memory_mib,
                 pids_limit=plan.pids_limit,

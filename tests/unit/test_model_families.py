@@ -82,7 +82,7 @@ async def run_family(family: Family, folder: Path) -> tuple[ScriptedTokenBackend
     session = LLMSession("job", pool)
     recorder = TrajectoryRecorder(lambda **event: None)
 
-    async def no_sandbox(image: str | None) -> Any:
+    async def no_sandbox() -> Any:
         raise AssertionError("no sandbox in this test")
 
     ctx = RolloutContext(
