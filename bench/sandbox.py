@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import default_spec, percentile, podman_provider, summary_ms
 from prorl_server.logging import configure_logging
-from prorl_server.sandbox.pool import SandboxPools
-from prorl_server.sandbox.runtime_sandbox import RuntimeSandbox
+from prorl_server.sandbox.base import Sandbox
+from prorl_server.sandbox.allocator import SandboxAllocator
 
 
-async def echo_ours(sandbox: RuntimeSandbox, n: int) -> list[float]:
+async def echo_ours(sandbox: Sandbox, n: int) -> list[float]:
     samples = []
     for _ in range(n):
         started = time.perf_counter()
@@ -152,7 +152,7 @@ async def main(args: argparse.Namespace) -> None:
     print(f"# sandbox benchmark, {os.cpu_count()} cores\n")
     async with podman_provider(threads=32) as provider:
         sandbox = await provider.create(default_spec())
-        assert isinstance(sandbox, RuntimeSandbox)
+        assert sandbox.mode == "runtime"
         await echo_ours(sandbox, 20)  # warm-up
         ours = await echo_ours(sandbox, args.echo)
         execs = await echo_podman_exec(provider, sandbox.id, max(args.echo // 4, 20))
@@ -179,7 +179,7 @@ async def main(args: argparse.Namespace) -> None:
             await extra.close()
 
         print("\n## acquire: warm pool vs cold start")
-        pools = SandboxPools(provider, [(default_spec(), 4)])
+        pools = SandboxAllocator(provider, [(default_spec(), 4)])
         pools.start()
         warm, cold = [], []
         for _ in range(args.acquire):

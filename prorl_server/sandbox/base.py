@@ -1,15 +1,50 @@
-"""The sandbox interface: one isolated container a job runs its tools in.
+"""The sandbox layer's public face: what a job asks for, the provider interface, and
+the labels every provider puts on its containers.
 
-Two implementations behind it: the in-sandbox runtime over a Unix socket
-(fast, stateful; the default) and `podman exec` (for images without python3).
+Two extension points, each with its own interface:
+- *what can be done in a sandbox*: `SandboxRuntime` (runtime/abstract.py),
+  typed requests and responses per operation (runtime/protocol.py);
+- *how a sandbox is started and stopped*: `SandboxProvider` (here), which
+  returns a `Sandbox` (sandbox.py) made of a runtime and a `ContainerHandle`
+  (handle.py) that it owns.
+
+Providers: `PodmanProvider` (podman/), and the in-process fake for tests
+(tests/fakes/sandbox_provider.py).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+
+from prorl_server.sandbox.handle import ContainerHandle
+from prorl_server.sandbox.runtime.abstract import SandboxRuntime
+from prorl_server.sandbox.runtime.protocol import CommandResult, JudgeResult
+from prorl_server.sandbox.sandbox import Sandbox
+
+__all__ = [
+    "LABEL_JOB",
+    "LABEL_MANAGED",
+    "LABEL_POOL",
+    "LABEL_SERVER",
+    "CommandResult",
+    "ContainerHandle",
+    "JudgeResult",
+    "Sandbox",
+    "SandboxProvider",
+    "SandboxRuntime",
+    "SandboxSpec",
+]
+
+LABEL_MANAGED = "prorl.managed"
+"""Every sandbox container of any prorl server: "1"."""
+LABEL_SERVER = "prorl.server"
+"""The instance id of the server that created it: cleanup removes exactly its own."""
+LABEL_JOB = "prorl.job"
+"""The job a sandbox was opened for."""
+LABEL_POOL = "prorl.pool"
+"""Set ("warm") on the sandboxes a warm pool keeps ready."""
 
 
 @dataclass(frozen=True)
@@ -28,84 +63,6 @@ class SandboxSpec:
         return (self.image, self.cpus, self.memory_mib, self.pids_limit)
 
 
-@dataclass(frozen=True)
-class CommandResult:
-    output: str
-    exit_code: int | None = None
-    truncated: bool = False
-    timed_out: bool = False
-    duration_s: float = 0.0
-    is_error: bool = False
-    """Python raised, or the editor refused: the output says why."""
-
-
-@dataclass(frozen=True)
-class JudgeResult:
-    """How a run of the judging harness (runtime/prorl_judge.py) ended."""
-
-    verdict: dict[str, Any] | None
-    """What the harness wrote on its verdict pipe; None when it gave none (killed,
-    crashed, timed out): the judged code cannot write here, only prevent it."""
-    problem: str = ""
-    """Why there is no verdict."""
-    output: str = ""
-    """The harness's log, with what the judged code printed: for humans, never judged."""
-    exit_code: int | None = None
-    timed_out: bool = False
-    duration_s: float = 0.0
-
-
-class Sandbox(abc.ABC):
-    """A started container. `close()` removes it; it is idempotent."""
-
-    id: str
-    mode: str
-    """"runtime" (in-sandbox runtime) or "exec" (podman exec fallback)."""
-    _close_callbacks: list[Callable[[], None]]
-
-    def on_close(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once the sandbox is closed (e.g. to count it free)."""
-        self.__dict__.setdefault("_close_callbacks", []).append(callback)
-
-    def _closed_now(self) -> None:
-        for callback in self.__dict__.pop("_close_callbacks", []):
-            callback()
-
-    @abc.abstractmethod
-    async def bash(self, command: str, *, timeout_s: float) -> CommandResult:
-        """Run in the sandbox's shell. A command still running after timeout_s
-        is interrupted, then killed with its process group; the result says so."""
-
-    @abc.abstractmethod
-    async def python(self, code: str, *, timeout_s: float) -> CommandResult:
-        """Execute Python; names persist between calls where the mode allows."""
-
-    @abc.abstractmethod
-    async def edit(self, command: str, path: str, **params: Any) -> CommandResult:
-        """str_replace-style editor: view, create, str_replace, insert, undo."""
-
-    @abc.abstractmethod
-    async def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes: ...
-
-    @abc.abstractmethod
-    async def write_file(self, path: str, data: bytes, *, mode: int | None = None) -> None: ...
-
-    @abc.abstractmethod
-    async def list_dir(self, path: str) -> list[dict[str, Any]]: ...
-
-    @abc.abstractmethod
-    async def health(self) -> dict[str, Any]: ...
-
-    @abc.abstractmethod
-    async def judge(self, mode: str, spec: Mapping[str, Any], *, timeout_s: float) -> JudgeResult:
-        """Run the trusted judging harness in `mode` ("function", "stdio", "swe") on
-        `spec`; it is killed with everything it started after timeout_s. Its verdict
-        comes back on a channel the judged code can neither reach nor forge."""
-
-    @abc.abstractmethod
-    async def close(self) -> None: ...
-
-
 class SandboxProvider(abc.ABC):
     """Creates sandboxes and owns their cleanup."""
 
@@ -114,12 +71,14 @@ class SandboxProvider(abc.ABC):
         """Connect, and remove containers a previous run of this server left behind."""
 
     @abc.abstractmethod
-    async def create(self, spec: SandboxSpec) -> Sandbox: ...
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        """A started sandbox, its runtime answering; `Sandbox.close()` removes it. Raises
+        SandboxError (reason sandbox_image, sandbox_start, ...) when none can be had."""
 
     @property
     @abc.abstractmethod
     def busy(self) -> int:
-        """Sandboxes created and not yet closed."""
+        """Sandboxes created and not yet removed."""
 
     @abc.abstractmethod
     async def close(self) -> None:

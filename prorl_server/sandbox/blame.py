@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from prorl_server.errors import SandboxBroken, SandboxLimitExceeded
+from prorl_server.sandbox.handle import ContainerHandle
 
 PROC = Path("/proc")
 # task flag set from the start of a process's exit (include/linux/sched.h)
@@ -179,26 +180,34 @@ class SandboxInspector(Protocol):
     async def describe(self) -> str: ...
 
 
+class InspectableContainer(Protocol):
+    """What a HostInspector asks of the container beyond /proc (the Podman provider's handle)."""
+
+    async def limits_hit(self) -> list[str]: ...
+
+    async def describe(self) -> str: ...
+
+    async def writable_layer_bytes(self) -> int:
+        """Bytes the sandbox's own writes hold in its writable layer; 0 when not known."""
+        ...
+
+
 class HostInspector:
     """A SandboxInspector for a container on this host (the Podman provider's)."""
 
     def __init__(
         self,
         view: HostView | None,
+        container: InspectableContainer,
         *,
-        limits_hit: Callable[[], Awaitable[list[str]]],
-        describe: Callable[[], Awaitable[str]],
-        writable_layer_bytes: Callable[[], Awaitable[int]],
         run_in_thread: Callable[[Callable[[], dict[str, int]]], Awaitable[dict[str, int]]],
     ) -> None:
         self._view = view
-        self._limits_hit = limits_hit
-        self._describe = describe
-        self._writable_layer_bytes = writable_layer_bytes
+        self._container = container
         self._thread = run_in_thread
 
     async def limits_hit(self) -> list[str]:
-        return await self._limits_hit()
+        return await self._container.limits_hit()
 
     def runtime_state(self) -> RuntimeState:
         return self._view.runtime_state() if self._view else RuntimeState.UNKNOWN
@@ -209,13 +218,34 @@ class HostInspector:
             return []
         full = await self._thread(view.full_filesystems)
         if "/" in full:
-            written = await self._writable_layer_bytes()
+            written = await self._container.writable_layer_bytes()
             if written < min(WRITABLE_LAYER_BLAME_BYTES, full["/"] * WRITABLE_LAYER_BLAME_SHARE):
                 del full["/"]  # the host's disk is full, but not by this sandbox
         return sorted(full)
 
     async def describe(self) -> str:
-        return await self._describe()
+        return await self._container.describe()
+
+
+class NullInspector:
+    """A SandboxInspector that sees no processes and no filesystems (a sandbox that is
+    not a container on this host, e.g. the test fake's): nothing is ever blamed on the
+    agent but the limits its handle reports, and failures stay INFRASTRUCTURE."""
+
+    def __init__(self, container: ContainerHandle | None = None) -> None:
+        self._container = container
+
+    async def limits_hit(self) -> list[str]:
+        return await self._container.limits_hit() if self._container else []
+
+    def runtime_state(self) -> RuntimeState:
+        return RuntimeState.UNKNOWN
+
+    async def full_filesystems(self) -> list[str]:
+        return []
+
+    async def describe(self) -> str:
+        return await self._container.describe() if self._container else "not inspectable"
 
 
 async def gather(inspector: SandboxInspector, symptom: Symptom) -> Evidence:

@@ -18,12 +18,11 @@ from prorl_client import RpcError, v1
 from prorl_server.api.errors import REASON_METADATA_KEY
 from prorl_server.datasets.swe import load_task, task_dirs
 from prorl_server.errors import SandboxError
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index
 from prorl_server.sandbox.base import Sandbox
 from prorl_server.sandbox.cgroups import CgroupV1Limiter
-from prorl_server.sandbox.exec_sandbox import Confinement, ExecSandbox
-from prorl_server.sandbox.podman import LABEL_JOB, SECCOMP_PROFILE, PodmanProvider
+from prorl_server.sandbox.podman import LABEL_JOB, SECCOMP_PROFILE, Confinement, ExecRuntime, PodmanProvider
 from tests.conftest import instance_id, job_containers, podman_options, server_containers, small_spec
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index
 from tests.helpers import math_request
 
 pytestmark = pytest.mark.podman
@@ -259,17 +258,18 @@ async def test_with_the_fallback_every_exec_command_is_inside_the_limits(
 async def test_a_command_that_is_not_moved_into_the_limits_does_not_run(exec_provider: PodmanProvider) -> None:
     sandbox = await exec_provider.create(small_spec(NO_PYTHON))
     try:
-        assert isinstance(sandbox, ExecSandbox)
+        runtime = sandbox.runtime
+        assert isinstance(runtime, ExecRuntime)
 
         async def never(marker: bytes) -> bool:
             return False
 
         # Waits for groups that never come: the command gives up (after 50 checks here).
-        sandbox._confinement = Confinement(group="prorl-no-such-group", adopt=never, patience=50)
+        runtime._confinement = Confinement(group="prorl-no-such-group", adopt=never, patience=50)
         with pytest.raises(SandboxError) as error:
             await sandbox.bash("echo ran > /tmp/ran", timeout_s=10)
         assert error.value.reason == "sandbox_confine"
-        sandbox._confinement = None
+        runtime._confinement = None
         assert (await sandbox.bash("cat /tmp/ran", timeout_s=10)).exit_code != 0  # it never ran
     finally:
         await sandbox.close()

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from prorl_server.sandbox.runtime import prorl_judge as judge
-from prorl_server.sandbox.runtime_sandbox import judge_result
+from prorl_server.sandbox.runtime.protocol import JudgeResponse
+from prorl_server.sandbox.sandbox import judge_result
 
 PLAIN_VALUES: list[Any] = [
     None,
@@ -255,8 +256,8 @@ def test_a_stream_without_its_last_frames_is_incomplete() -> None:
     assert not outcome["complete"] and outcome["statuses"] == {A: "PASSED", B: "PASSED"}
 
 
-def reply(**fields: Any) -> dict[str, Any]:
-    return {"exit_code": 0, "timed_out": False, "output": "log", "duration_s": 1.0, **fields}
+def reply(**fields: Any) -> JudgeResponse:
+    return JudgeResponse(**{"exit_code": 0, "timed_out": False, "output": "log", "duration_s": 1.0, **fields})
 
 
 def test_a_verdict_counts_only_from_a_harness_that_ended_by_itself() -> None:

@@ -1,9 +1,11 @@
-"""The server's asyncio client of the in-sandbox runtime.
+"""The framing layer of the in-sandbox runtime's protocol: a connection, and JSON
+objects in and out.
 
 Frames are an 8-byte big-endian length and UTF-8 JSON (see prorl_runtime.py).
 Many calls may be in flight on one connection; answers are matched by id, so
 concurrent tool calls on one sandbox are safe. Outputs of many megabytes are
-read with readexactly and decoded off the event loop.
+read with readexactly and decoded off the event loop. The typed operations
+on top of it are SocketRuntime's (runtime/socket_runtime.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import itertools
 import json
 import struct
+from collections.abc import Mapping
 from typing import Any
 
 from prorl_server.errors import SandboxError
@@ -43,6 +46,18 @@ class RuntimeClient:
         self._read_task: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
         self._broken: str | None = None
+
+    @classmethod
+    async def open(cls, socket_path: str) -> RuntimeClient:
+        """A client connected to a runtime that answered `health`."""
+        client = cls(socket_path)
+        await client.connect()
+        try:
+            await client.call("health", {})
+        except BaseException:
+            await client.close()
+            raise
+        return client
 
     async def connect(self) -> None:
         self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path, limit=1 << 20)
@@ -75,14 +90,15 @@ class RuntimeClient:
             if not future.done():
                 future.set_exception(SandboxError(reason, reason="sandbox_lost"))
 
-    async def call(self, op: str, **params: Any) -> dict[str, Any]:
-        """Send one request and wait for its answer; SandboxError when the runtime is gone."""
+    async def call(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """Send one request, {"id", "op", **fields}, and wait for its answer; RuntimeOpFailed
+        when the runtime could not serve it, SandboxError when the runtime is gone."""
         if self._writer is None or self._broken:
             raise SandboxError(self._broken or "the runtime client is not connected", reason="sandbox_lost")
         request_id = next(self._ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        body = json.dumps({"id": request_id, "op": op, **params}).encode()
+        body = json.dumps({**fields, "id": request_id, "op": op}).encode()
         try:
             async with self._write_lock:
                 self._writer.write(HEADER.pack(len(body)) + body)

@@ -231,6 +231,12 @@ class BashSession:
             self.exit_status = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1
         return bool(pid)
 
+    def _wait_exited(self, patience):
+        """Collect bash's exit status: it closes the terminal a moment before it can be reaped."""
+        deadline = time.monotonic() + patience
+        while not self._exited() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
     def _interrupt(self):
         try:
             group = os.tcgetpgrp(self.fd)
@@ -276,7 +282,7 @@ class BashSession:
                     status = 124
             except EOFError:
                 # The command ended the shell (e.g. `exit`): start a new one.
-                self._exited()
+                self._wait_exited(1.0)
                 status = self.exit_status
                 self.close()
                 restarted, timed_out = True, False

@@ -81,7 +81,7 @@ class WarmPool:
             await self.ready.popleft().close()
 
 
-class SandboxPools:
+class SandboxAllocator:
     """The sandboxes jobs get: warm when a pool matches, cold otherwise."""
 
     def __init__(self, provider: SandboxProvider, pools: list[tuple[SandboxSpec, int]]) -> None:

@@ -1,9 +1,9 @@
-"""The fallback for images without python3: every call is a `podman exec`.
+"""The runtime for images without python3: every call is a `podman exec`.
 
 Same interface, fewer guarantees: each bash call starts a fresh shell (no
 persistent cwd or environment), Python runs with `python3 -c` if the image has
-it, and the editor is unavailable. Podman calls run in the provider's thread
-pool, never on the event loop.
+it, the editor and judging are unavailable. Podman calls run in the provider's
+threads, never on the event loop.
 
 Limits: `podman exec` starts its command outside the cgroups the server made for
 the sandbox (cgroup v1, see cgroups.py). With a `Confinement`, each command runs
@@ -19,15 +19,34 @@ import base64
 import secrets
 import shlex
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from podman.errors import APIError, NotFound
 
 from prorl_server.errors import SandboxError
-from prorl_server.sandbox.base import CommandResult, JudgeResult, Sandbox
 from prorl_server.sandbox.output import cap_output
+from prorl_server.sandbox.runtime.abstract import SandboxRuntime
+from prorl_server.sandbox.runtime.protocol import (
+    BashRequest,
+    BashResponse,
+    DirEntry,
+    EditRequest,
+    EditResponse,
+    HealthRequest,
+    HealthResponse,
+    JudgeRequest,
+    JudgeResponse,
+    ListDirRequest,
+    ListDirResponse,
+    PythonRequest,
+    PythonResponse,
+    ReadFileRequest,
+    ReadFileResponse,
+    WriteFileRequest,
+    WriteFileResponse,
+)
 
 # Exit codes of coreutils `timeout`: 124 after the signal, 137 after -k's KILL.
 TIMEOUT_EXIT_CODES = (124, 137)
@@ -61,7 +80,7 @@ class Confinement:
     outside the groups gives up without running."""
 
 
-class ExecSandbox(Sandbox):
+class ExecRuntime(SandboxRuntime):
     mode = "exec"
 
     def __init__(
@@ -70,15 +89,14 @@ class ExecSandbox(Sandbox):
         *,
         run_in_thread: Callable[[Callable[[], Any]], Awaitable[Any]],
         max_output_bytes: int,
-        remove: Callable[[], Awaitable[None]],
         confinement: Confinement | None = None,
     ) -> None:
-        self.id = container.id
-        self._confinement = confinement
+        """`container` is podman-py's Container; `run_in_thread` runs a blocking call in
+        the provider's threads."""
         self._container = container
         self._thread = run_in_thread
         self._max_output_bytes = max_output_bytes
-        self._remove = remove
+        self._confinement = confinement
         self._closed = False
 
     async def _exec(self, argv: Sequence[str], timeout_s: float) -> tuple[int, bytes, float]:
@@ -124,67 +142,80 @@ class ExecSandbox(Sandbox):
         finally:
             execution.cancel()  # only when leaving early (a timeout): the call itself runs on in its thread
 
-    async def _command(self, argv: Sequence[str], timeout_s: float) -> CommandResult:
+    async def _command(self, argv: Sequence[str], timeout_s: float) -> dict[str, Any]:
         code, stdout, duration = await self._exec(argv, timeout_s)
         text, truncated = cap_output(stdout, self._max_output_bytes)
         timed_out = code in TIMEOUT_EXIT_CODES
         if timed_out:
             text += f"\n[command timed out after {timeout_s:g}s; its process group was killed]"
-        return CommandResult(text, code, truncated, timed_out, duration, is_error=code != 0)
+        return {
+            "output": text,
+            "exit_code": code,
+            "truncated": truncated,
+            "timed_out": timed_out,
+            "duration_s": duration,
+            "is_error": code != 0,
+        }
 
-    async def bash(self, command: str, *, timeout_s: float) -> CommandResult:
-        return await self._command(["sh", "-c", command], timeout_s)
+    async def bash(self, request: BashRequest) -> BashResponse:
+        return BashResponse(**await self._command(["sh", "-c", request.command], request.timeout_s))
 
-    async def python(self, code: str, *, timeout_s: float) -> CommandResult:
-        return await self._command(["python3", "-c", code], timeout_s)
+    async def python(self, request: PythonRequest) -> PythonResponse:
+        return PythonResponse(**await self._command(["python3", "-c", request.code], request.timeout_s))
 
-    async def edit(self, command: str, path: str, **params: Any) -> CommandResult:
-        return CommandResult(
+    async def edit(self, request: EditRequest) -> EditResponse:
+        return EditResponse(
             "Error: the file editor needs python3 in the sandbox image; use bash (cat, sed) instead", is_error=True
         )
 
-    async def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
+    async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
+        path = request.path
         code, data, _ = await self._exec(["cat", path], 60)
         if code != 0:
             raise SandboxError(f"cannot read {path}: {data[:300].decode(errors='replace')}", reason="sandbox_file")
-        return data if max_bytes is None else data[:max_bytes]
+        if request.max_bytes is None:
+            return ReadFileResponse(data)
+        return ReadFileResponse(data[: request.max_bytes], truncated=len(data) > request.max_bytes)
 
-    async def write_file(self, path: str, data: bytes, *, mode: int | None = None) -> None:
-        script = f"printf %s {shlex.quote(base64.b64encode(data).decode())} | base64 -d > {shlex.quote(path)}"
-        if mode is not None:
-            script += f" && chmod {mode:o} {shlex.quote(path)}"
+    async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
+        path = shlex.quote(request.path)
+        encoded = shlex.quote(base64.b64encode(request.data).decode())
+        script = f"printf %s {encoded} | base64 -d > {path}"
+        if request.mode is not None:
+            script += f" && chmod {request.mode:o} {path}"
         code, output, _ = await self._exec(["sh", "-c", script], 60)
         if code != 0:
-            raise SandboxError(f"cannot write {path}: {output[:300].decode(errors='replace')}", reason="sandbox_file")
+            raise SandboxError(
+                f"cannot write {request.path}: {output[:300].decode(errors='replace')}", reason="sandbox_file"
+            )
+        return WriteFileResponse(request.path)
 
-    async def list_dir(self, path: str) -> list[dict[str, Any]]:
+    async def list_dir(self, request: ListDirRequest) -> ListDirResponse:
         code, output, _ = await self._exec(
-            ["find", path, "-mindepth", "1", "-maxdepth", "1", "-printf", r"%y %s %f\n"], 30
+            ["find", request.path, "-mindepth", "1", "-maxdepth", "1", "-printf", r"%y %s %f\n"], 30
         )
         if code != 0:
-            raise SandboxError(f"cannot list {path}: {output[:300].decode(errors='replace')}", reason="sandbox_file")
+            raise SandboxError(
+                f"cannot list {request.path}: {output[:300].decode(errors='replace')}", reason="sandbox_file"
+            )
         entries = []
         for line in sorted(output.decode(errors="replace").splitlines(), key=lambda item: item.split(" ", 2)[-1]):
             kind, size, name = line.split(" ", 2)
-            entries.append({"name": name, "type": "dir" if kind == "d" else "file", "size": int(size)})
-        return entries
+            entries.append(DirEntry(name, "dir" if kind == "d" else "file", int(size)))
+        return ListDirResponse(request.path, entries)
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self, request: HealthRequest) -> HealthResponse:
         code, _, _ = await self._exec(["true"], 10)
-        return {"ok": code == 0}
+        return HealthResponse(ok=code == 0)
 
-    async def judge(self, mode: str, spec: Mapping[str, Any], *, timeout_s: float) -> JudgeResult:
+    async def judge(self, request: JudgeRequest) -> JudgeResponse:
         """Judging needs the runtime's harness: its verdict pipe and a non-dumpable
         process are what keep the judged code from writing its own verdict."""
         raise SandboxError(
-            f"judging ({mode}) needs the in-sandbox runtime, and this sandbox's image has no python3: "
+            f"judging ({request.mode}) needs the in-sandbox runtime, and this sandbox's image has no python3: "
             "judge in an image with python3",
             reason="judge_needs_runtime",
         )
 
     async def close(self) -> None:
-        if self._closed:
-            return
         self._closed = True
-        self._closed_now()
-        await self._remove()

@@ -1,0 +1,41 @@
+"""The Podman provider's handle on one of its containers (see sandbox/handle.py).
+
+A view bound to the provider that created the container: removal, inspection
+and the limits go through the provider, which owns its threads, its Podman
+client, its cgroups and its slots.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prorl_server.sandbox.handle import ContainerHandle
+
+if TYPE_CHECKING:
+    from prorl_server.sandbox.podman.provider import PodmanProvider
+
+
+class PodmanContainer(ContainerHandle):
+    def __init__(self, provider: PodmanProvider, name: str) -> None:
+        self._provider = provider
+        self.name = name
+
+    @property
+    def id(self) -> str:
+        return self.name
+
+    async def remove(self) -> None:
+        await self._provider.remove(self.name)
+
+    async def describe(self) -> str:
+        return await self._provider.describe(self.name)
+
+    async def limits_hit(self) -> list[str]:
+        return await self._provider.limits_hit(self.name)
+
+    async def writable_layer_bytes(self) -> int:
+        """Bytes of the container's writable layer (its own writes); 0 when not known."""
+        return await self._provider.writable_layer_bytes(self.name)
+
+    def __repr__(self) -> str:
+        return f"PodmanContainer({self.name!r})"

@@ -1,0 +1,89 @@
+"""The container a sandbox runs in: podman-py's `containers.create` arguments.
+
+Every container runs with no network, no capabilities, `no_new_privileges`
+(setuid binaries gain nothing), the seccomp profile staged beside the runtime
+(staging.py), a tmpfs /tmp, and the spec's memory, cpu and pids limits.
+
+A runtime container starts the in-sandbox runtime (bind-mounted read-only) as
+its init, listening on a Unix socket in the per-sandbox folder the server
+made; an exec container (images without python3) only sleeps, and each call
+is a `podman exec`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from prorl_server.sandbox.base import SandboxSpec
+from prorl_server.sandbox.podman.options import PodmanOptions
+from prorl_server.sandbox.podman.staging import SOCKET_NAME, RuntimeStaging
+from prorl_server.sandbox.runtime import RUNTIME_FILE
+
+RUNTIME_MOUNT = "/opt/prorl"
+SOCKET_MOUNT = "/run/prorl"
+# The sandbox user's process ceiling (containers.conf default_ulimits; the
+# rootless user cannot raise its hard limit beyond it).
+USER_NPROC_CEILING = 4096
+# Exit code of a shell that could not find the command (no python3 in the image).
+COMMAND_NOT_FOUND = 127
+RUNTIME_MARKER = f"{RUNTIME_FILE.name} serve"
+"""In the command line of the container's init and of the runtime it forks (see blame.HostView)."""
+
+
+def container_kwargs(
+    spec: SandboxSpec,
+    *,
+    name: str,
+    labels: Mapping[str, str],
+    runtime: bool,
+    options: PodmanOptions,
+    staging: RuntimeStaging,
+) -> dict[str, Any]:
+    memory = spec.memory_mib * 1024 * 1024
+    # RLIMIT_NPROC counts every process of the host uid all sandboxes share:
+    # as a per-sandbox limit it would let one sandbox starve the others, so it
+    # is only the user-wide ceiling; pids per sandbox is the cgroup's job.
+    nproc = USER_NPROC_CEILING
+    kwargs: dict[str, Any] = {
+        "name": name,
+        "labels": dict(labels),
+        "network_mode": "none",
+        "init": True,
+        "user": options.container_user,
+        "working_dir": options.workdir,
+        "mem_limit": memory,
+        "memswap_limit": memory,
+        "nano_cpus": int(spec.cpus * 1e9),
+        "pids_limit": spec.pids_limit,
+        "ulimits": [
+            {"Name": "nproc", "Soft": nproc, "Hard": nproc},
+            {"Name": "nofile", "Soft": 1024, "Hard": 1024},
+        ],
+        "cap_drop": ["ALL"],
+        # podman-py sends `security_opt` as SELinux options: these are the API's own fields.
+        "no_new_privileges": True,
+        "seccomp_profile_path": str(staging.seccomp_profile),
+        "mounts": [{"type": "tmpfs", "target": "/tmp", "size": f"{options.tmp_mib}m", "mode": "1777"}],
+    }
+    if runtime:
+        # Exit 127 when the image has no python3: the caller falls back to exec.
+        # The runtime is the container's init itself (`--init`, no catatonit): PID 1
+        # cannot be signalled from inside, so it outlives whatever the agent does to
+        # the runtime it serves from, and the server can tell that apart (blame.py).
+        kwargs["init"] = False
+        # Removal kills at once: a SIGTERM that lands while PID 1 is still starting (the
+        # shell, or Python before it waits for signals) is dropped, as for any init.
+        kwargs["stop_timeout"] = 0
+        kwargs["command"] = [
+            "/bin/sh", "-c", 'command -v python3 >/dev/null 2>&1 || exit 127; exec python3 "$@"', "sh",
+            f"{RUNTIME_MOUNT}/{RUNTIME_FILE.name}", "serve", "--init",
+            "--socket", f"{SOCKET_MOUNT}/{SOCKET_NAME}", "--workdir", options.workdir,
+        ]  # fmt: skip
+        kwargs["mounts"] += [
+            {"type": "bind", "source": str(staging.runtime_dir), "target": RUNTIME_MOUNT, "read_only": True},
+            {"type": "bind", "source": str(staging.socket_dir(name)), "target": SOCKET_MOUNT},
+        ]
+    else:
+        kwargs["command"] = ["sleep", "infinity"]
+    return kwargs

@@ -1,0 +1,33 @@
+"""The Podman provider's settings (built by app.py from the `sandbox` config section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PodmanOptions:
+    instance_id: str
+    """This server's instance id: its containers' names and LABEL_SERVER carry it."""
+    state_dir: Path
+    """Host folder for the staged runtime and the per-sandbox socket folders."""
+    sandbox_user: str
+    """The host user rootless Podman runs as (its subordinate ids own the socket folders)."""
+    container_user: str
+    """uid:gid the sandbox processes run as inside the container."""
+    workdir: str
+    """The sandbox's working directory (inside the container)."""
+    tmp_mib: int
+    """Size of the container's /tmp (a tmpfs)."""
+    max_output_bytes: int
+    """Cap on one tool call's output; its head and tail are kept."""
+    threads: int
+    """Threads for podman-py's blocking calls."""
+    runtime_start_timeout_s: float
+    cgroup_limits: bool
+    """Apply the limits with cgroups the server makes (cgroup v1 hosts) where usable."""
+    max_sandboxes: int = 0
+    """Containers held at once, from creation until removal is done; 0: no limit."""
+    allow_exec_fallback: bool = False
+    """Serve images without python3 by `podman exec`; False: refuse them."""

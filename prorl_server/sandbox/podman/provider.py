@@ -1,0 +1,348 @@
+"""Sandboxes as rootless Podman containers, through podman-py.
+
+podman-py is synchronous: every call runs in the provider's bounded threads,
+never on the event loop. Each container carries the labels `prorl.managed=1`
+and `prorl.server=<instance id>`; cleanup removes exactly the containers with
+this server's label.
+
+A container starts the in-sandbox runtime as its init (container_spec.py),
+listening on a Unix socket in a per-sandbox folder the server made
+(staging.py); the sandbox is served by a SocketRuntime over that socket. An
+image without python3 is refused, or served by `podman exec` (ExecRuntime)
+when the operator allows that fallback. Either way the sandbox's handle is a
+PodmanContainer bound to this provider, which removes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import structlog
+from podman import PodmanClient
+from podman.errors import NotFound
+
+from prorl_server.errors import SandboxError
+from prorl_server.sandbox.base import LABEL_MANAGED, LABEL_SERVER, Sandbox, SandboxProvider, SandboxSpec
+from prorl_server.sandbox.blame import HostInspector, HostView
+from prorl_server.sandbox.cgroups import CgroupV1Limiter
+from prorl_server.sandbox.podman.container import PodmanContainer
+from prorl_server.sandbox.podman.container_spec import COMMAND_NOT_FOUND, RUNTIME_MARKER, container_kwargs
+from prorl_server.sandbox.podman.exec_runtime import Confinement, ExecRuntime
+from prorl_server.sandbox.podman.options import PodmanOptions
+from prorl_server.sandbox.podman.staging import RuntimeStaging
+from prorl_server.sandbox.runtime.client import RuntimeClient
+from prorl_server.sandbox.runtime.socket_runtime import SocketRuntime
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+class PodmanProvider(SandboxProvider):
+    def __init__(self, *, url_factory: Callable[[], str], options: PodmanOptions) -> None:
+        self._url_factory = url_factory
+        self._options = options
+        self._threads = ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="podman")
+        # Moves exec'd commands into their groups while `podman exec` calls hold the other threads.
+        self._adopter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cgroups")
+        self._client: PodmanClient | None = None
+        self._live: set[str] = set()
+        self._slots = asyncio.Semaphore(options.max_sandboxes) if options.max_sandboxes else None
+        self._background: set[asyncio.Future[Any]] = set()
+        self._exec_only_images: set[str] = set()
+        self._staging = RuntimeStaging(
+            options.state_dir,
+            options.instance_id,
+            sandbox_user=options.sandbox_user,
+            container_user=options.container_user,
+        )
+        self._limiter: CgroupV1Limiter | None = None
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run a blocking call (podman-py, file system) in the provider's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn)
+
+    @property
+    def client(self) -> PodmanClient:
+        if self._client is None:
+            raise SandboxError("sandbox provider not started")
+        return self._client
+
+    @property
+    def busy(self) -> int:
+        return len(self._live)
+
+    @property
+    def limits_enforced_by(self) -> str:
+        return "cgroup-v1 (server)" if self._limiter else "podman"
+
+    async def start(self) -> None:
+        url = self._url_factory()
+        self._client = PodmanClient(base_url=url, timeout=120)
+        await self.call(self._staging.stage)
+        if self._options.cgroup_limits and CgroupV1Limiter.usable():
+            self._limiter = CgroupV1Limiter(f"prorl-{self._options.instance_id}")
+        try:
+            removed = await self.remove_ours()
+        except Exception as exc:
+            raise SandboxError(
+                f"cannot use the Podman API at {url}: {exc}. Check sandbox.podman_socket, or leave it unset "
+                "to let the server start one"
+            ) from None
+        if removed:
+            log.warning("removed_leftover_containers", count=removed)
+
+    # --- creation ----------------------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        runtime = spec.image not in self._exec_only_images
+        if not runtime and not self._options.allow_exec_fallback:
+            raise self._without_python(spec.image)
+        sandbox = await self._create(spec, runtime=runtime)
+        if sandbox is None:  # the image has no python3: remember, and fall back (or refuse)
+            self._exec_only_images.add(spec.image)
+            if not self._options.allow_exec_fallback:
+                raise self._without_python(spec.image)
+            log.warning("image_without_python3", image=spec.image, fallback="podman exec")
+            sandbox = await self._create(spec, runtime=False)
+        assert sandbox is not None
+        return sandbox
+
+    @staticmethod
+    def _without_python(image: str) -> SandboxError:
+        return SandboxError(
+            f"sandbox image {image!r} has no python3, which the sandbox runtime needs; this server does not "
+            "serve such images by `podman exec` (setting sandbox.allow_exec_fallback)",
+            reason="sandbox_image_without_python",
+        )
+
+    async def _create(self, spec: SandboxSpec, *, runtime: bool) -> Sandbox | None:
+        """The sandbox, or None when its image cannot run the runtime (no python3)."""
+        name = f"prorl-{self._options.instance_id}-{secrets.token_hex(6)}"
+        labels = {LABEL_MANAGED: "1", LABEL_SERVER: self._options.instance_id, **spec.labels}
+        kwargs = container_kwargs(
+            spec, name=name, labels=labels, runtime=runtime, options=self._options, staging=self._staging
+        )
+
+        def create_and_start() -> Any:
+            if runtime:
+                self._staging.make_socket_dir(name)
+            container = self.client.containers.create(spec.image, **kwargs)
+            try:
+                container.start()
+                container.reload()
+                pid = int(container.attrs["State"].get("Pid") or 0)
+                # pid 0: it already exited (e.g. no python3); the runtime check says why.
+                if self._limiter is not None and pid > 0:
+                    self._limiter.apply(
+                        name,
+                        pid,
+                        cpus=spec.cpus,
+                        memory_bytes=spec.memory_mib * 1024 * 1024,
+                        pids=spec.pids_limit,
+                    )
+            except Exception:
+                container.remove(force=True)
+                raise
+            return container
+
+        if self._slots is not None:
+            await self._slots.acquire()  # a container is counted until its removal is done
+        self._live.add(name)
+        creation = asyncio.ensure_future(self.call(create_and_start))
+        self._track(creation)
+        try:
+            container = await asyncio.shield(creation)
+        except asyncio.CancelledError:
+            # The job was cancelled while Podman was still creating its container:
+            # remove the container once it exists, or it would outlive the job.
+            self._track(asyncio.ensure_future(self._remove_after(creation, name)))
+            raise
+        except Exception as exc:
+            await self._forget(name)
+            message = str(exc)
+            if "image not known" in message or "no such image" in message.lower():
+                raise SandboxError(
+                    f"sandbox image {spec.image!r} is not built: run `make images`", reason="sandbox_image"
+                ) from exc
+            raise SandboxError(f"could not start a sandbox from {spec.image!r}: {message}") from exc
+
+        handle = PodmanContainer(self, name)
+        init_pid = int(container.attrs["State"].get("Pid") or 0)
+        if not runtime:
+            exec_runtime = ExecRuntime(
+                container,
+                run_in_thread=self.call,
+                max_output_bytes=self._options.max_output_bytes,
+                confinement=self._confinement(name, init_pid),
+            )
+            return Sandbox(exec_runtime, handle)
+        try:
+            client = await self._connect_runtime(name, container)
+        except BaseException:
+            await self.remove(name)
+            raise
+        if client is None:
+            await self.remove(name)
+            return None
+        try:
+            # What blame looks at when a call to this sandbox's runtime fails (see blame.py),
+            # found now, before the agent has run anything.
+            view = await self.call(lambda: HostView.find(init_pid, RUNTIME_MARKER))
+        except BaseException:  # e.g. the job was cancelled meanwhile: the container must not outlive it
+            await client.close()
+            await self.remove(name)
+            raise
+        if view is None:
+            log.warning("sandbox_processes_not_visible", container=name, pid=init_pid)
+        inspector = HostInspector(view, handle, run_in_thread=self.call)
+        socket_runtime = SocketRuntime(client, max_output_bytes=self._options.max_output_bytes, inspector=inspector)
+        return Sandbox(socket_runtime, handle)
+
+    async def _connect_runtime(self, name: str, container: Any) -> RuntimeClient | None:
+        """Wait for the runtime's socket; None when the image cannot run it."""
+        socket_path = self._staging.socket_path(name)
+        deadline = time.monotonic() + self._options.runtime_start_timeout_s
+        checked_at = time.monotonic()
+        while not socket_path.exists():
+            if time.monotonic() > deadline:
+                raise SandboxError(
+                    f"the sandbox runtime did not start within {self._options.runtime_start_timeout_s:g}s",
+                    reason="sandbox_start",
+                )
+            if time.monotonic() - checked_at > 0.5:
+                checked_at = time.monotonic()
+                state = await self.call(lambda: (container.reload(), container.attrs["State"])[1])
+                if state.get("Status") == "exited":
+                    if state.get("ExitCode") == COMMAND_NOT_FOUND:
+                        return None
+                    raise SandboxError(
+                        f"the sandbox exited at start (code {state.get('ExitCode')})", reason="sandbox_start"
+                    )
+            await asyncio.sleep(0.005)
+        return await RuntimeClient.open(str(socket_path))
+
+    def _confinement(self, name: str, init_pid: int) -> Confinement | None:
+        """How exec'd commands enter the server-made groups; None where Podman applies the limits."""
+        limiter = self._limiter
+        if limiter is None:
+            return None
+
+        async def adopt(marker: bytes) -> bool:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._adopter, limiter.adopt, name, init_pid, marker)
+
+        return Confinement(group=name, adopt=adopt)
+
+    # --- what the containers' handles ask ---------------------------------------------------
+
+    async def describe(self, name: str) -> str:
+        """The container's state and last log lines, for error messages."""
+
+        def inspect() -> str:
+            try:
+                container = self.client.containers.get(name)
+                state = container.attrs.get("State", {})
+                raw = container.logs(stdout=True, stderr=True, tail=12, stream=False)
+                logs = raw if isinstance(raw, bytes) else b"".join(raw)
+                tail = logs.decode(errors="replace").strip()[-1500:]
+                return f"status={state.get('Status')} exit={state.get('ExitCode')} oom={state.get('OOMKilled')}; {tail}"
+            except Exception as exc:  # diagnostics must never hide the original failure
+                return f"not inspectable ({exc})"
+
+        return await self.call(inspect)
+
+    async def limits_hit(self, name: str) -> list[str]:
+        """The limits of the server-made cgroups the container ran into; [] where Podman applies them."""
+        limiter = self._limiter
+        return await self.call(lambda: limiter.limits_hit(name)) if limiter else []
+
+    async def writable_layer_bytes(self, name: str) -> int:
+        def size() -> int:
+            response = self.client.api.get(f"/containers/{name}/json", params={"size": "true"})
+            response.raise_for_status()
+            return int(response.json().get("SizeRw") or 0)
+
+        try:
+            return await self.call(size)
+        except Exception:  # not knowing means not blaming the agent
+            return 0
+
+    async def remove(self, name: str) -> None:
+        """Remove the container `name` with its cgroups and socket folder. Idempotent."""
+
+        def remove() -> None:
+            with contextlib.suppress(NotFound):
+                self.client.containers.remove(name, force=True, v=True)
+            if self._limiter is not None:
+                self._limiter.remove(name)
+            self._staging.remove_socket_dir(name)
+
+        try:
+            await self.call(remove)
+        finally:
+            self._release(name)
+
+    # --- bookkeeping and cleanup -------------------------------------------------------------
+
+    def _track(self, future: asyncio.Future[Any]) -> None:
+        self._background.add(future)
+        future.add_done_callback(self._background.discard)
+
+    async def _remove_after(self, creation: asyncio.Future[Any], name: str) -> None:
+        with contextlib.suppress(Exception):
+            await creation
+        await self.remove(name)
+
+    async def _settle(self) -> None:
+        """Wait for container creations and removals still under way."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    def _release(self, name: str) -> None:
+        if name in self._live:
+            self._live.discard(name)
+            if self._slots is not None:
+                self._slots.release()
+
+    async def _forget(self, name: str) -> None:
+        self._release(name)
+        await self.call(lambda: self._staging.remove_socket_dir(name))
+
+    async def remove_ours(self) -> int:
+        """Remove every container labelled as this server's; returns the count."""
+
+        def remove_all() -> int:
+            containers = self.client.containers.list(
+                all=True, filters={"label": f"{LABEL_SERVER}={self._options.instance_id}"}
+            )
+            for container in containers:
+                with contextlib.suppress(NotFound):
+                    container.remove(force=True, v=True)
+            if self._limiter is not None:
+                self._limiter.remove_all()
+            return len(containers)
+
+        return await self.call(remove_all)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            try:
+                await self._settle()
+                await self.remove_ours()
+                await self.call(self._staging.remove_socket_dirs)
+            except Exception as exc:  # shutting down: report, and go on closing the rest
+                log.error("sandbox_cleanup_failed", error=str(exc))
+            finally:
+                for name in list(self._live):
+                    self._release(name)
+                self._client.close()  # podman-py leaves it unannotated
+                self._client = None
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._adopter.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,76 @@
+"""The runtime interface: what can be done in a started sandbox.
+
+How the sandbox is started and removed is not a runtime's business (see
+sandbox/handle.py and the providers). Implementations: `SocketRuntime`
+(runtime/socket_runtime.py, the in-sandbox runtime over a Unix socket: fast,
+stateful, the default) and `ExecRuntime` (podman/exec_runtime.py, one
+`podman exec` per call, for images without python3).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar, Literal
+
+from prorl_server.sandbox.runtime.protocol import (
+    BashRequest,
+    BashResponse,
+    EditRequest,
+    EditResponse,
+    HealthRequest,
+    HealthResponse,
+    JudgeRequest,
+    JudgeResponse,
+    ListDirRequest,
+    ListDirResponse,
+    PythonRequest,
+    PythonResponse,
+    ReadFileRequest,
+    ReadFileResponse,
+    WriteFileRequest,
+    WriteFileResponse,
+)
+
+RuntimeMode = Literal["runtime", "exec"]
+
+
+class SandboxRuntime(abc.ABC):
+    """One method per operation, each taking one request and returning one response.
+
+    A call that cannot be served raises `SandboxError` (INFRASTRUCTURE), or a
+    `SandboxBroken` when the evidence shows that the agent's own commands broke
+    the sandbox (POLICY, see sandbox/blame.py). A command that ran and failed is
+    a response, not an exception."""
+
+    mode: ClassVar[RuntimeMode]
+    """"runtime" (the in-sandbox runtime) or "exec" (the `podman exec` fallback)."""
+
+    @abc.abstractmethod
+    async def bash(self, request: BashRequest) -> BashResponse: ...
+
+    @abc.abstractmethod
+    async def python(self, request: PythonRequest) -> PythonResponse: ...
+
+    @abc.abstractmethod
+    async def edit(self, request: EditRequest) -> EditResponse: ...
+
+    @abc.abstractmethod
+    async def read_file(self, request: ReadFileRequest) -> ReadFileResponse: ...
+
+    @abc.abstractmethod
+    async def write_file(self, request: WriteFileRequest) -> WriteFileResponse: ...
+
+    @abc.abstractmethod
+    async def list_dir(self, request: ListDirRequest) -> ListDirResponse: ...
+
+    @abc.abstractmethod
+    async def health(self, request: HealthRequest) -> HealthResponse: ...
+
+    @abc.abstractmethod
+    async def judge(self, request: JudgeRequest) -> JudgeResponse: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop serving calls (later ones raise SandboxError); calls still pending fail
+        without blame. The sandbox itself stays up: removing it is its handle's job.
+        Idempotent."""

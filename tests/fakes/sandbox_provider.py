@@ -1,0 +1,273 @@
+"""A sandbox provider without Podman: each sandbox is a temporary folder on this host
+served by the REAL in-sandbox runtime (prorl_server/sandbox/runtime/prorl_runtime.py)
+in a local process, wrapped in the same `Sandbox` class the Podman provider returns.
+
+What is real: the runtime and its wire protocol (bash on a pty, persistent Python,
+the editor, files, the judging harness beside it), the SocketRuntime client and its
+blame path (with a NullInspector: nothing is blamed on the agent), the Sandbox
+lifecycle (close callbacks, idempotent close).
+
+What is not: isolation. Commands run as the test's user on the host, in the
+sandbox's workdir (`<tmp>/work`); absolute paths are host paths, so tests should
+use relative paths or `container.workdir`. The spec's cpus, memory and pids are
+recorded, not enforced; there is no network isolation either.
+
+Removal leaves nothing behind: the runtime is started as a child subreaper, so
+whatever it or the agent starts (even processes that leave their session or
+their parent) stays in its process tree; removal stops that whole tree, kills
+it, and deletes the folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from prorl_server.errors import SandboxError
+from prorl_server.sandbox.base import (
+    LABEL_MANAGED,
+    LABEL_SERVER,
+    ContainerHandle,
+    Sandbox,
+    SandboxProvider,
+    SandboxSpec,
+)
+from prorl_server.sandbox.blame import NullInspector
+from prorl_server.sandbox.runtime import RUNTIME_FILE
+from prorl_server.sandbox.runtime.client import RuntimeClient
+from prorl_server.sandbox.runtime.socket_runtime import SocketRuntime
+
+ImageSetup = Callable[[Path], None]
+"""Lays out a fake image's files in a new sandbox's workdir (e.g. a git repository)."""
+
+PR_SET_CHILD_SUBREAPER = 36
+# Makes the process a child subreaper (kept across exec), then becomes the runtime:
+# orphans of anything started inside are re-parented to the runtime, not to the host's init.
+BOOTSTRAP = (
+    "import ctypes, os, sys\n"
+    f"ctypes.CDLL(None, use_errno=True).prctl({PR_SET_CHILD_SUBREAPER}, 1, 0, 0, 0)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+)
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc (a snapshot)."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(parent, []).append(int(entry))
+    return tree
+
+
+def _descendants(root: int) -> set[int]:
+    tree, found, todo = _children(), set(), [root]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL `root` and all its descendants. Stopped first, so that none can fork or
+    be re-parented away while the tree is walked. Blocking (reads /proc)."""
+    _signal(root, signal.SIGSTOP)
+    stopped: set[int] = set()
+    quiet = 0
+    while quiet < 2:  # twice nothing new: a fork under way when its parent stopped has shown up
+        fresh = _descendants(root) - stopped
+        for pid in fresh:
+            _signal(pid, signal.SIGSTOP)
+        stopped |= fresh
+        quiet = 0 if fresh else quiet + 1
+        time.sleep(0.001)
+    for pid in (root, *stopped):
+        _signal(pid, signal.SIGKILL)
+
+
+class FakeContainer(ContainerHandle):
+    """A local runtime process and its folder: `<folder>/rt.sock`, `<folder>/work`, and
+    `<folder>/tmp`, its TMPDIR."""
+
+    def __init__(self, provider: FakeSandboxProvider, name: str, folder: Path, spec: SandboxSpec) -> None:
+        self._provider = provider
+        self.name = name
+        self.folder = folder
+        self.spec = spec
+        self.labels = {LABEL_MANAGED: "1", LABEL_SERVER: provider.instance_id, **spec.labels}
+        self.process: asyncio.subprocess.Process | None = None
+        self._removal: asyncio.Task[None] | None = None
+
+    @property
+    def id(self) -> str:
+        return self.name
+
+    @property
+    def workdir(self) -> Path:
+        return self.folder / "work"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.folder / "rt.sock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.folder / "runtime.log"
+
+    async def start(self, python: str, timeout_s: float) -> None:
+        """Start the runtime and wait until its socket accepts."""
+        scratch = self.folder / "tmp"  # the runtime's scratch files and the agent's TMPDIR
+        scratch.mkdir(exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.process = await asyncio.create_subprocess_exec(
+                python, "-c", BOOTSTRAP, str(RUNTIME_FILE), "serve",
+                "--socket", str(self.socket_path), "--workdir", str(self.workdir),
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+                cwd=self.workdir, env={**os.environ, "TMPDIR": str(scratch)}, start_new_session=True,
+            )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.socket_path.exists():
+            if self.process.returncode is not None:
+                raise SandboxError(
+                    f"the fake sandbox's runtime exited at start (code {self.process.returncode}): {self._log_tail()}",
+                    reason="sandbox_start",
+                )
+            if loop.time() > deadline:
+                raise SandboxError(
+                    f"the fake sandbox's runtime did not start within {timeout_s:g}s", reason="sandbox_start"
+                )
+            await asyncio.sleep(0.005)
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_bytes()[-1500:].decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    async def remove(self) -> None:
+        # One removal, however many callers (close, provider.close, a failed create) ask for it.
+        if self._removal is None:
+            self._removal = asyncio.ensure_future(self._remove())
+        await asyncio.shield(self._removal)
+
+    async def _remove(self) -> None:
+        try:
+            process = self.process
+            if process is not None:
+                if process.returncode is None:
+                    await asyncio.to_thread(kill_tree, process.pid)
+                await process.wait()
+            await asyncio.to_thread(shutil.rmtree, self.folder, ignore_errors=True)
+        finally:
+            self._provider.forget(self)
+
+    async def describe(self) -> str:
+        process = self.process
+        if process is None:
+            state = "not started"
+        elif process.returncode is None:
+            state = f"pid={process.pid} running"
+        else:
+            state = f"pid={process.pid} exited with {process.returncode}"
+        return f"fake sandbox {self.name}: {state}; {self._log_tail()}"
+
+    async def limits_hit(self) -> list[str]:
+        return []
+
+    def __repr__(self) -> str:
+        return f"FakeContainer({self.name!r}, image={self.spec.image!r})"
+
+
+class FakeSandboxProvider(SandboxProvider):
+    """Sandboxes on this host, for tests that need no isolation.
+
+    `images`: None accepts any image; a mapping accepts only its images, and calls the
+    image's setup (when not None) with the new sandbox's workdir before the runtime
+    starts. An unknown image fails as an unbuilt one does (reason sandbox_image).
+    """
+
+    def __init__(
+        self,
+        *,
+        images: Mapping[str, ImageSetup | None] | None = None,
+        instance_id: str = "fake",
+        max_output_bytes: int = 16 * 1024,
+        python: str = sys.executable,
+        root: Path | None = None,
+        start_timeout_s: float = 10.0,
+    ) -> None:
+        self.instance_id = instance_id
+        self._images = images
+        self._max_output_bytes = max_output_bytes
+        self._python = python
+        self._root = root
+        self._start_timeout_s = start_timeout_s
+        self._live: dict[str, FakeContainer] = {}
+        self._started = False
+        self.created: list[SandboxSpec] = []
+        """Every spec a sandbox was created for, in order (images and labels as asked)."""
+
+    @property
+    def busy(self) -> int:
+        return len(self._live)
+
+    @property
+    def containers(self) -> list[FakeContainer]:
+        """The sandboxes not yet removed."""
+        return list(self._live.values())
+
+    async def start(self) -> None:
+        self._started = True
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        if not self._started:
+            raise SandboxError("sandbox provider not started")
+        if self._images is not None and spec.image not in self._images:
+            raise SandboxError(f"sandbox image {spec.image!r} is not built: run `make images`", reason="sandbox_image")
+        setup = self._images.get(spec.image) if self._images is not None else None
+        self.created.append(spec)
+        name = f"prorl-{self.instance_id}-{secrets.token_hex(6)}"
+        folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self._root))
+        container = FakeContainer(self, name, folder, spec)
+        self._live[name] = container
+        try:
+            container.workdir.mkdir()
+            if setup is not None:
+                await asyncio.to_thread(setup, container.workdir)
+            await container.start(self._python, self._start_timeout_s)
+            client = await RuntimeClient.open(str(container.socket_path))
+        except BaseException:
+            await container.remove()
+            raise
+        runtime = SocketRuntime(client, max_output_bytes=self._max_output_bytes, inspector=NullInspector(container))
+        return Sandbox(runtime, container)
+
+    def forget(self, container: FakeContainer) -> None:
+        self._live.pop(container.name, None)
+
+    async def close(self) -> None:
+        for container in list(self._live.values()):
+            await container.remove()
+        self._started = False
