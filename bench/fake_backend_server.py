@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prorl_server.llm.scripted import ScriptedLLMServer, ScriptedReply
+from tests.fakes.scripted_llm import ScriptedLLMServer, ScriptedReply
 
 
 async def main(latency_s: float) -> None:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prorl_server.llm.base import BackendInfo, ChatBackend, ChatResult, Sampling
 from prorl_server.llm.llama_cpp_backend import LlamaCppBackend
 from prorl_server.llm.openai_chat import OpenAIChatBackend
-from prorl_server.llm.router import BackendPool
+from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
 from prorl_server.logging import configure_logging
 
@@ -39,7 +39,7 @@ SLOTS_PER_BACKEND = 4
 TURNS = 4
 
 
-async def drive(pool: BackendPool, concurrency: int, turns: int, sampling: Sampling) -> float:
+async def drive(pool: BackendRouter, concurrency: int, turns: int, sampling: Sampling) -> float:
     """`concurrency` trajectories of `turns` sequential turns each; returns wall time."""
 
     async def trajectory(index: int) -> None:
@@ -92,7 +92,7 @@ async def fake_backends() -> None:
     )
     print("concurrency  requests   wall s  utilisation  occupancy")
     for concurrency in CONCURRENCY:
-        pool = BackendPool(health_interval_s=0)
+        pool = BackendRouter(health_interval_s=0)
         meter = OccupancyMeter()
         for index, url in enumerate(urls):
             backend = OpenAIChatBackend(
@@ -130,7 +130,7 @@ async def embedded_backend() -> None:
         return generation
 
     backend.generate = timed  # type: ignore[method-assign]
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     pool.add(backend, managed=True)
     print("\n## embedded model (SmolLM2-135M, llama.cpp in process, 1 slot), 8 new tokens per turn")
     print("concurrency  requests   wall s  utilisation")
@@ -161,7 +161,7 @@ class InstantBackend(ChatBackend):
 
 async def router_overhead(requests: int = 20_000) -> None:
     backend = InstantBackend()
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     pool.add(backend)
     for index in range(7):  # a realistic pool
         other = InstantBackend()

@@ -53,10 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from podman import PodmanClient
 
 from prorl_client import Client, v1
-from prorl_server.llm.scripted import ScriptedLLMServer, ScriptedReply, tool_call_text, turn_index, user_prompt
 from prorl_server.logging import configure_logging
 from prorl_server.sandbox.podman import LABEL_SERVER
 from prorl_server.sandbox.podman_service import PodmanService
+from tests.fakes.scripted_llm import ScriptedLLMServer, ScriptedReply, tool_call_text, turn_index, user_prompt
 
 FD_MARGIN = 8
 RSS_MARGIN_MIB = 64.0

@@ -19,6 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from prorl_server.llm.backend_settings import BackendSettings as BackendSettings
+from prorl_server.llm.backend_settings import ToolCallParser as ToolCallParser
+
 ENV_PREFIX = "PRORL_"
 
 
@@ -169,39 +172,6 @@ class SandboxSettings(_Section):
             if not self.image_allowed(image):
                 raise ValueError(f"{name} {image!r} matches none of allowed_images {self.allowed_images}")
         return self
-
-
-ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "openai", "kimi_k2"]
-
-
-class BackendSettings(_Section):
-    id: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
-    kind: Literal["openai_chat", "vllm", "sglang"] = "openai_chat"
-    base_url: str
-    """e.g. http://127.0.0.1:8000/v1 (SGLang's native API: http://127.0.0.1:30000)"""
-    model: str = ""
-    api_key: SecretStr = SecretStr("")
-    """Sent as a bearer token to the backend; never logged or shown."""
-    max_in_flight: int = Field(0, ge=0)
-    tokenizer_path: str = ""
-    """vllm and sglang: a local Hugging Face tokenizer folder of the served model."""
-    weight: float = Field(1.0, gt=0)
-    """Relative capacity: new trajectories go to the fewest requests in flight per unit of weight."""
-    tool_call_parser: ToolCallParser = "hermes"
-    """How the served model writes tool calls in its text (vLLM's --tool-call-parser names): hermes
-    (Qwen, `<tool_call>`), llama3_json, mistral, pythonic, deepseek_v3, openai (gpt-oss harmony), kimi_k2."""
-    chat_template_kwargs: dict[str, Any] = {}
-    """vllm and sglang: extra variables for the chat template, e.g. {"enable_thinking": false}."""
-    logprobs_mode: Literal["processed", "raw"] = "processed"
-    """What the server's log-probs are: "processed" (after temperature/top-p/top-k; start vLLM with
-    --logprobs-mode processed_logprobs) or "raw" (vLLM's default). Reported on every model turn."""
-
-    @field_validator("base_url")
-    @classmethod
-    def _http_url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return value.rstrip("/")
 
 
 class EmbeddedModelSettings(_Section):

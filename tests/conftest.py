@@ -20,10 +20,11 @@ from podman import PodmanClient
 from prorl_client import Client
 from prorl_server.app import ProrlServer
 from prorl_server.config import Settings, load_settings
-from prorl_server.llm.scripted import Script, ScriptedLLMServer
-from prorl_server.sandbox.base import SandboxSpec
-from prorl_server.sandbox.podman import LABEL_JOB, LABEL_MANAGED, LABEL_SERVER, PodmanOptions, PodmanProvider
+from prorl_server.sandbox.base import LABEL_JOB, LABEL_MANAGED, LABEL_SERVER, SandboxSpec
+from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
 from prorl_server.sandbox.podman_service import PodmanService
+from tests.fakes.sandbox_provider import FakeSandboxProvider
+from tests.fakes.scripted_llm import Script, ScriptedLLMServer
 
 SANDBOX_USER = os.environ.get("PRORL_TEST_SANDBOX_USER", "prorl")
 # Every server and provider of this test session has an instance id with this
@@ -175,3 +176,13 @@ async def exec_provider(podman_url: str) -> AsyncIterator[PodmanProvider]:
     yield provider
     await provider.close()
     assert not server_containers(podman_url, instance)
+
+
+@pytest_asyncio.fixture
+async def fake_provider() -> AsyncIterator[FakeSandboxProvider]:
+    """A provider without Podman: the real runtime in local processes (tests/fakes/sandbox_provider.py)."""
+    provider = FakeSandboxProvider(instance_id=instance_id("fake"))
+    await provider.start()
+    yield provider
+    await provider.close()
+    assert provider.busy == 0

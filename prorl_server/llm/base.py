@@ -5,11 +5,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
+from prorl_server.llm.backend_settings import ToolCallParser
 from prorl_server.llm.chat_template import ChatTokenizer
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "openai", "kimi_k2")
+TOOL_CALL_PARSERS: tuple[ToolCallParser, ...] = get_args(ToolCallParser)
 """Tool-call formats a model may write in its text (vLLM's --tool-call-parser names); the
 parsers themselves are in agents/tool_calls.py."""
 

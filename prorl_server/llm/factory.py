@@ -1,68 +1,45 @@
-"""Builds a backend of any kind from its settings (config file or AddBackend)."""
+"""Builds a backend from its validated settings (config file or AddBackend alike)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import assert_never
 
-from prorl_server.errors import InvalidArgument
-from prorl_server.llm.base import TOOL_CALL_PARSERS as PARSERS
+from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.base import BackendInfo, LLMBackend
 from prorl_server.llm.hf_tokenizer import HFTokenizer
 from prorl_server.llm.openai_chat import OpenAIChatBackend
-from prorl_server.llm.token_http import SGLangBackend, VLLMBackend
-
-KINDS = ("openai_chat", "vllm", "sglang")
+from prorl_server.llm.token_http import HTTPTokenBackend, SGLangBackend, VLLMBackend
 
 
-@dataclass(frozen=True)
-class BackendSpec:
-    id: str
-    kind: str
-    base_url: str
-    model: str = ""
-    api_key: str = field(default="", repr=False)
-    max_in_flight: int = 0
-    tokenizer_path: str = ""
-    weight: float = 1.0
-    tool_call_parser: str = "hermes"
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    logprobs_mode: str = "processed"
-
-
-def build_backend(spec: BackendSpec, *, timeout_s: float, max_retries: int) -> LLMBackend:
-    info = BackendInfo(
-        id=spec.id,
-        kind=spec.kind,
-        base_url=spec.base_url.rstrip("/"),
-        model=spec.model,
-        max_in_flight=spec.max_in_flight,
-        weight=spec.weight,
-        extra={"tokenizer_path": spec.tokenizer_path} if spec.tokenizer_path else {},
-        tool_call_parser=spec.tool_call_parser,
-        chat_template_kwargs=dict(spec.chat_template_kwargs),
-        logprobs_mode=spec.logprobs_mode,
+def backend_info(settings: BackendSettings) -> BackendInfo:
+    """What AdminService reports about a backend built from `settings` (never its API key)."""
+    return BackendInfo(
+        id=settings.id,
+        kind=settings.kind,
+        base_url=settings.base_url,
+        model=settings.model,
+        max_in_flight=settings.max_in_flight,
+        weight=settings.weight,
+        extra={"tokenizer_path": settings.tokenizer_path} if settings.tokenizer_path else {},
+        tool_call_parser=settings.tool_call_parser,
+        chat_template_kwargs=dict(settings.chat_template_kwargs),
+        logprobs_mode=settings.logprobs_mode,
     )
-    if spec.tool_call_parser and spec.tool_call_parser not in PARSERS:
-        raise InvalidArgument(
-            f"backend {spec.id!r}: unknown tool_call_parser {spec.tool_call_parser!r}; use one of {', '.join(PARSERS)}"
-        )
-    if spec.logprobs_mode not in ("processed", "raw", ""):
-        raise InvalidArgument(f"backend {spec.id!r}: logprobs_mode must be processed or raw")
-    if spec.kind == "openai_chat":
-        return OpenAIChatBackend(info, api_key=spec.api_key, timeout_s=timeout_s, max_retries=max_retries)
-    if spec.kind in ("vllm", "sglang"):
-        if not spec.tokenizer_path:
-            raise InvalidArgument(
-                f"backend {spec.id!r} of kind {spec.kind} needs tokenizer_path: a local Hugging Face tokenizer "
-                "folder (tokenizer.json and tokenizer_config.json) of the model it serves"
-            )
-        backend_class = VLLMBackend if spec.kind == "vllm" else SGLangBackend
-        return backend_class(
-            info,
-            HFTokenizer(spec.tokenizer_path, template_kwargs=spec.chat_template_kwargs),
-            api_key=spec.api_key,
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-        )
-    raise InvalidArgument(f"unknown backend kind {spec.kind!r}; use one of {', '.join(KINDS)}")
+
+
+def build_backend(settings: BackendSettings, *, timeout_s: float, max_retries: int) -> LLMBackend:
+    """Raises InvalidArgument when a token backend's tokenizer folder cannot be read."""
+    info = backend_info(settings)
+    api_key = settings.api_key.get_secret_value()
+    token_class: type[HTTPTokenBackend]
+    match settings.kind:
+        case "openai_chat":
+            return OpenAIChatBackend(info, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries)
+        case "vllm":
+            token_class = VLLMBackend
+        case "sglang":
+            token_class = SGLangBackend
+        case _:
+            assert_never(settings.kind)
+    tokenizer = HFTokenizer(settings.tokenizer_path, template_kwargs=settings.chat_template_kwargs)
+    return token_class(info, tokenizer, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries)

@@ -45,7 +45,7 @@ class BackendEntry:
         return cap <= 0 or self.in_flight < cap
 
 
-class BackendPool:
+class BackendRouter:
     def __init__(self, *, health_interval_s: float = 10.0, failed_checks_to_evict: int = 1) -> None:
         self._entries: dict[str, BackendEntry] = {}
         self._sticky: dict[str, str] = {}

@@ -1,23 +1,31 @@
-"""One job's conversation with the LLM pool: routing, retries after a pause,
-and for token backends the exact token trajectory."""
+"""One job's conversation with the backend router: the routing of each model turn.
+
+Per turn: lease a backend from the router, send the turn again after a Pause
+aborted it (once Resume lets it through), fail over to another healthy
+backend when this one stays unreachable, and stamp the result with the
+policy version and any switch of backend. What a turn is on the leased
+backend (for a token backend, the exact token trajectory) is the job's
+JobChat's business (llm/job_chat.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from prorl_server.errors import LLMError
-from prorl_server.llm.base import ChatBackend, ChatResult, Sampling, TokenBackend
-from prorl_server.llm.router import BackendEntry, BackendPool
-from prorl_server.llm.token_conversation import TokenConversation
+from prorl_server.llm.base import ChatResult, Sampling
+from prorl_server.llm.job_chat import JobChat
+from prorl_server.llm.router import BackendRouter
 
 
 class LLMSession:
-    def __init__(self, job_id: str, pool: BackendPool) -> None:
+    def __init__(self, job_id: str, router: BackendRouter, *, job_chat: JobChat | None = None) -> None:
         self.job_id = job_id
-        self._pool = pool
-        self._conversation: TokenConversation | None = None
+        self._router = router
+        self._job_chat = job_chat or JobChat()
         self._last_backend = ""
 
     async def chat(
@@ -30,90 +38,34 @@ class LLMSession:
         request goes to another healthy backend, if there is one.
         """
         while True:
-            async with self._pool.lease(self.job_id) as entry:
-                version = self._pool.policy_version
-                request = asyncio.create_task(self._call(entry, messages, tools, sampling))
-                self._pool.track(request)
+            async with self._router.lease(self.job_id) as entry:
+                version = self._router.policy_version
+                request = asyncio.create_task(self._job_chat.chat(entry.backend, messages, tools, sampling))
+                self._router.track(request)
                 try:
                     result = await request
                 except asyncio.CancelledError:
                     current = asyncio.current_task()
-                    if self._pool.was_aborted(request) and current is not None and not current.cancelling():
+                    if self._router.was_aborted(request) and current is not None and not current.cancelling():
                         continue
                     raise
                 except LLMError as exc:
-                    if exc.reason == "llm_unavailable" and self._pool.fail_over(entry):
+                    if exc.reason == "llm_unavailable" and self._router.fail_over(entry):
                         continue
                     raise
             switched = self._last_backend if self._last_backend and self._last_backend != entry.id else ""
             self._last_backend = entry.id
-            return ChatResult(
-                text=result.text,
-                finish_reason=result.finish_reason,
-                prompt_tokens=result.prompt_tokens,
-                completion_tokens=result.completion_tokens,
-                tool_calls=result.tool_calls,
-                token_ids=result.token_ids,
-                logprobs=result.logprobs,
-                backend_id=entry.id,
-                latency_s=result.latency_s,
-                policy_version=version,
-                switched_from_backend=switched,
-                prefill_s=result.prefill_s,
-                decode_s=result.decode_s,
-                tool_call_parser=entry.backend.info.tool_call_parser,
-                tool_role=result.tool_role,
-                logprobs_mode=entry.backend.info.logprobs_mode,
-                token_offset=result.token_offset,
+            return dataclasses.replace(
+                result, backend_id=entry.id, policy_version=version, switched_from_backend=switched
             )
-
-    async def _call(
-        self,
-        entry: BackendEntry,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]],
-        sampling: Sampling,
-    ) -> ChatResult:
-        backend = entry.backend
-        if isinstance(backend, ChatBackend):
-            return await backend.chat(messages, tools, sampling)
-        assert isinstance(backend, TokenBackend)
-        if self._conversation is None:
-            # Templates with tool support render the tools themselves (others ignore them).
-            self._conversation = TokenConversation(
-                backend.tokenizer, tools or None, template_kwargs=sampling.chat_template_kwargs
-            )
-        conversation = self._conversation
-        prompt = conversation.prompt(messages)
-        generation = await backend.generate(prompt, sampling)
-        ids = list(generation.token_ids)
-        visible = ids[:-1] if ids and ids[-1] in backend.tokenizer.stop_ids else ids
-        text = backend.tokenizer.decode(visible)
-        conversation.record({"role": "assistant", "content": text}, ids, generation.logprobs)
-        return ChatResult(
-            text=text,
-            finish_reason=generation.finish_reason,
-            prompt_tokens=generation.prompt_tokens,
-            completion_tokens=len(ids),
-            token_ids=generation.token_ids,
-            logprobs=generation.logprobs,
-            latency_s=generation.latency_s,
-            prefill_s=generation.prefill_s,
-            decode_s=generation.decode_s,
-            tool_role=backend.tokenizer.renders_tool_role,
-            token_offset=conversation.turn_spans[-1][0],
-        )
 
     def turn_spans(self) -> list[tuple[int, int]]:
         """(start, end) of each turn's sampled ids in the token trajectory; empty for chat backends."""
-        return list(self._conversation.turn_spans) if self._conversation is not None else []
+        return self._job_chat.turn_spans()
 
     def token_trajectory(self) -> tuple[list[int], list[int], list[float]]:
         """(token_ids, loss_mask, logprobs) of the whole trajectory; empty for chat backends."""
-        conversation = self._conversation
-        if conversation is None:
-            return [], [], []
-        return list(conversation.token_ids), list(conversation.loss_mask), list(conversation.logprobs)
+        return self._job_chat.token_trajectory()
 
 
 ChatFn = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]], Sampling], Awaitable[ChatResult]]

@@ -14,8 +14,8 @@ from typing import Any
 
 from prorl_client import Client, v1
 from prorl_server.app import ProrlServer
-from prorl_server.llm.scripted import ScriptedLLMServer, ScriptedReply, tool_call_text, turn_index, user_prompt
 from tests.conftest import make_settings, server_containers
+from tests.fakes.scripted_llm import ScriptedLLMServer, ScriptedReply, tool_call_text, turn_index, user_prompt
 
 MARKER = "attack: "
 

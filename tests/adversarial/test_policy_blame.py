@@ -15,8 +15,8 @@ from podman import PodmanClient
 
 from prorl_client import v1
 from prorl_server.datasets.swe import load_task, task_dirs
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index
 from tests.conftest import job_containers
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index
 from tests.helpers import assert_eventually, math_request
 
 pytestmark = pytest.mark.podman

@@ -18,8 +18,8 @@ from google.protobuf.json_format import MessageToDict
 
 from prorl_client import v1
 from prorl_server.datasets.swe import load_task, task_dirs
-from prorl_server.llm.scripted import tool_call_text
 from tests.adversarial.live import Calls, bash_call, finish_call, live_server, marked
+from tests.fakes.scripted_llm import tool_call_text
 
 pytestmark = pytest.mark.podman
 

@@ -10,7 +10,7 @@ import pytest_asyncio
 
 from prorl_server.llm.base import BackendInfo, Generation, Sampling
 from prorl_server.llm.llama_cpp_backend import LlamaCppBackend
-from prorl_server.llm.router import BackendPool
+from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
 
 pytestmark = pytest.mark.e2e
@@ -45,7 +45,7 @@ async def backend() -> AsyncIterator[RecordingBackend]:
 
 
 async def test_three_turns_have_zero_drift(backend: RecordingBackend) -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     pool.add(backend, managed=True)
     session = LLMSession("drift", pool)
     messages = [
@@ -85,7 +85,7 @@ async def test_three_turns_have_zero_drift(backend: RecordingBackend) -> None:
 
 
 async def test_same_seed_same_sample(backend: RecordingBackend) -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     pool.add(backend, managed=True)
     messages = [{"role": "user", "content": "Say something."}]
     sampling = Sampling(max_tokens=16, temperature=1.0, seed=123)

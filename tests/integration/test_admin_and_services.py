@@ -13,9 +13,9 @@ from podman import PodmanClient
 
 from prorl_client import RpcError, v1
 from prorl_server.app import ProrlServer
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text
 from prorl_server.sandbox.podman import LABEL_MANAGED, LABEL_SERVER
 from tests.conftest import make_settings
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text
 from tests.helpers import assert_eventually, math_request
 
 pytestmark = pytest.mark.podman

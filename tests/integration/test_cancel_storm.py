@@ -14,8 +14,8 @@ import pytest
 from prorl_client import v1
 from prorl_server.jobs.record import FINISHED_STATUSES
 from prorl_server.jobs.store import SQLiteJobStore
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index, user_prompt
 from tests.conftest import job_containers
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index, user_prompt
 from tests.helpers import kinds, math_request
 
 pytestmark = pytest.mark.podman

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from prorl_client import RpcError, v1
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text
 from tests.helpers import math_request
 
 pytestmark = pytest.mark.podman

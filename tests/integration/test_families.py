@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from prorl_client import v1
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index
 
 pytestmark = pytest.mark.podman
 

@@ -12,8 +12,8 @@ import pytest
 from podman import PodmanClient
 
 from prorl_client import Client, v1
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index, user_prompt
 from tests.conftest import instance_id, job_containers, server_containers
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index, user_prompt
 from tests.helpers import ServeProcess, assert_eventually, math_request
 
 pytestmark = pytest.mark.podman

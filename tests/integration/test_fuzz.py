@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prorl_client import RpcError, v1
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index, user_prompt
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index, user_prompt
 from tests.helpers import math_request
 
 pytestmark = pytest.mark.podman

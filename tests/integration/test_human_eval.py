@@ -9,7 +9,7 @@ import pytest
 
 from prorl_client import v1
 from prorl_server.datasets.human_eval import load_problems, to_task
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, user_prompt
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, user_prompt
 
 pytestmark = [pytest.mark.podman, pytest.mark.slow]
 

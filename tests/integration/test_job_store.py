@@ -12,8 +12,8 @@ import pytest
 from prorl_client import Client, RpcError, v1
 from prorl_server.app import ProrlServer
 from prorl_server.jobs.store import SQLiteJobStore
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index
 from tests.conftest import make_settings
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index
 from tests.helpers import math_request
 
 pytestmark = pytest.mark.podman

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index
 from tests.helpers import math_request
 
 pytestmark = pytest.mark.podman

@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from prorl_client import RpcError, v1
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index, user_prompt
 from tests.conftest import job_containers
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index, user_prompt
 from tests.helpers import assert_eventually, kinds, math_request
 
 pytestmark = pytest.mark.podman

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, user_prompt
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, user_prompt
 
 pytestmark = pytest.mark.podman
 

@@ -16,9 +16,9 @@ from podman import PodmanClient
 
 from prorl_client import Client, RpcError, v1
 from prorl_server.errors import ProrlError
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text
 from prorl_server.sandbox.podman import LABEL_JOB, RUNTIME_MOUNT, SOCKET_MOUNT, PodmanProvider
 from tests.conftest import instance_id, job_containers, podman_options, small_spec
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text
 from tests.helpers import ServeProcess, math_request
 
 pytestmark = pytest.mark.podman

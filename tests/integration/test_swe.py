@@ -10,7 +10,7 @@ import pytest
 
 from prorl_client import v1
 from prorl_server.datasets.swe import load_task, task_dirs
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index
 
 pytestmark = pytest.mark.podman
 

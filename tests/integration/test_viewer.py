@@ -15,9 +15,9 @@ import pytest
 from prorl_client.display import plain_table, summarize, summary_rows
 from prorl_client.viewer import render
 
-from prorl_server.llm.scripted import Script, ScriptedLLMServer, ScriptedReply, tool_call_text, user_prompt
 from tests import chromium
 from tests.conftest import ServerFactory
+from tests.fakes.scripted_llm import Script, ScriptedLLMServer, ScriptedReply, tool_call_text, user_prompt
 
 
 def record(task_id: str, *, handler: str = "math", reward: float = 1.0, **fields: Any) -> dict[str, Any]:

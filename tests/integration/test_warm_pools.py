@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from prorl_client import v1
-from prorl_server.llm.scripted import ScriptedReply, tool_call_text, turn_index
 from prorl_server.sandbox.podman import PodmanProvider
-from prorl_server.sandbox.pool import SandboxPools
+from prorl_server.sandbox.allocator import SandboxAllocator
 from tests.conftest import instance_id, podman_options, server_containers, small_spec
+from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index
 from tests.helpers import assert_eventually, math_request
 
 pytestmark = pytest.mark.podman
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.podman
 
 async def test_acquire_takes_a_warm_sandbox_and_the_pool_refills(provider) -> None:
     spec = small_spec()
-    pools = SandboxPools(provider, [(spec, 2)])
+    pools = SandboxAllocator(provider, [(spec, 2)])
     pools.start()
     try:
         await assert_eventually(lambda: pools.stats()[0].warm == 2, message="pool never filled")

@@ -9,7 +9,7 @@ import pytest
 from prorl_server.errors import LLMError
 from prorl_server.llm.base import BackendInfo, Sampling
 from prorl_server.llm.openai_chat import OpenAIChatBackend
-from prorl_server.llm.scripted import ScriptedLLMServer, ScriptedReply
+from tests.fakes.scripted_llm import ScriptedLLMServer, ScriptedReply
 
 SAMPLING = Sampling(max_tokens=8, temperature=0.0)
 

@@ -10,7 +10,7 @@ import pytest
 
 from prorl_server.errors import LLMError
 from prorl_server.llm.base import BackendInfo, ChatBackend, ChatResult, Sampling
-from prorl_server.llm.router import BackendPool
+from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
 from tests.helpers import assert_eventually
 
@@ -48,7 +48,7 @@ async def wait_for(condition: Any) -> None:
 
 
 async def test_new_trajectories_go_to_the_least_loaded_backend() -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     a, b = FakeBackend("a"), FakeBackend("b")
     pool.add(a)
     pool.add(b)
@@ -62,7 +62,7 @@ async def test_new_trajectories_go_to_the_least_loaded_backend() -> None:
 
 
 async def test_later_turns_stick_to_the_same_backend() -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     a, b = FakeBackend("a"), FakeBackend("b")
     pool.add(a)
     pool.add(b)
@@ -79,7 +79,7 @@ async def test_later_turns_stick_to_the_same_backend() -> None:
 
 
 async def test_health_check_evicts_and_readmits() -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     a, b = FakeBackend("a"), FakeBackend("b")
     pool.add(a)
     pool.add(b)
@@ -103,7 +103,7 @@ async def test_health_check_evicts_and_readmits() -> None:
 
 
 async def test_removing_a_backend_mid_run_lets_its_request_finish_and_moves_the_job() -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     a, b = FakeBackend("a"), FakeBackend("b")
     pool.add(a)
     session = LLMSession("job", pool)
@@ -121,7 +121,7 @@ async def test_removing_a_backend_mid_run_lets_its_request_finish_and_moves_the_
 
 
 async def test_pause_holds_new_requests_and_resume_bumps_the_policy_version() -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     a = FakeBackend("a")
     pool.add(a)
     assert (await LLMSession("j0", pool).chat(MESSAGES, [], SAMPLING)).policy_version == 0
@@ -137,7 +137,7 @@ async def test_pause_holds_new_requests_and_resume_bumps_the_policy_version() ->
 
 
 async def test_pause_with_abort_retries_in_flight_requests_after_resume() -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     a = FakeBackend("a")
     pool.add(a)
     a.gate.clear()
@@ -153,7 +153,7 @@ async def test_pause_with_abort_retries_in_flight_requests_after_resume() -> Non
 
 
 async def test_cancelling_the_job_cancels_its_request() -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     a = FakeBackend("a")
     pool.add(a)
     a.gate.clear()
@@ -166,7 +166,7 @@ async def test_cancelling_the_job_cancels_its_request() -> None:
 
 
 async def test_per_backend_cap_queues_requests() -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     a = FakeBackend("a", max_in_flight=1)
     pool.add(a)
     a.gate.clear()
@@ -182,7 +182,7 @@ async def test_per_backend_cap_queues_requests() -> None:
 
 async def test_no_backend_is_a_clear_error() -> None:
     with pytest.raises(LLMError, match="AddBackend"):
-        await LLMSession("job", BackendPool(health_interval_s=0)).chat(MESSAGES, [], SAMPLING)
+        await LLMSession("job", BackendRouter(health_interval_s=0)).chat(MESSAGES, [], SAMPLING)
 
 
 class DeadBackend(FakeBackend):
@@ -194,7 +194,7 @@ class DeadBackend(FakeBackend):
 
 
 async def test_a_dead_backend_is_evicted_and_the_request_moves() -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     dead, alive = DeadBackend("dead"), FakeBackend("alive")
     pool.add(dead)
     session = LLMSession("job", pool)
@@ -203,14 +203,14 @@ async def test_a_dead_backend_is_evicted_and_the_request_moves() -> None:
     result = await session.chat(MESSAGES, [], SAMPLING)
     assert result.backend_id == "alive" and dead.calls == 1
     assert {e.id: e.healthy for e in pool.entries()} == {"dead": False, "alive": True}
-    alive_only = BackendPool(health_interval_s=0)
+    alive_only = BackendRouter(health_interval_s=0)
     alive_only.add(DeadBackend("only"))
     with pytest.raises(LLMError, match="unavailable"):
         await LLMSession("job", alive_only).chat(MESSAGES, [], SAMPLING)
 
 
 async def test_weights_share_new_trajectories_by_capacity() -> None:
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     big, small = FakeBackend("big"), FakeBackend("small")
     big.info.weight = 3.0
     pool.add(big)
@@ -226,7 +226,7 @@ async def test_weights_share_new_trajectories_by_capacity() -> None:
 
 
 async def test_eviction_can_wait_for_failed_checks_in_a_row() -> None:
-    pool = BackendPool(health_interval_s=0, failed_checks_to_evict=2)
+    pool = BackendRouter(health_interval_s=0, failed_checks_to_evict=2)
     flaky = FakeBackend("flaky")
     pool.add(flaky)
     flaky.healthy = False

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from pydantic import ValidationError
 
 from prorl_server.errors import InvalidArgument, LLMError
+from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.base import Sampling
-from prorl_server.llm.factory import BackendSpec, build_backend
-from prorl_server.llm.router import BackendPool
+from prorl_server.llm.factory import build_backend
+from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
 from tests.fakes.token_servers import FakeSGLang, FakeTokenServer, FakeVLLM, write_tiny_tokenizer
 
@@ -34,21 +36,21 @@ async def fake(request: pytest.FixtureRequest, tokenizer_folder: Path) -> AsyncI
 
 
 def backend_for(fake: FakeTokenServer, tokenizer_folder: Path):  # type: ignore[no-untyped-def]
-    spec = BackendSpec(
+    settings = BackendSettings(
         id="fake",
         kind=fake.kind,
         base_url=fake.base_url,
         model="m",
         tokenizer_path=str(tokenizer_folder),  # type: ignore[attr-defined]
     )
-    return build_backend(spec, timeout_s=10, max_retries=2)
+    return build_backend(settings, timeout_s=10, max_retries=2)
 
 
 async def test_two_turns_send_growing_token_prompts_with_zero_drift(
     fake: FakeTokenServer, tokenizer_folder: Path
 ) -> None:
     backend = backend_for(fake, tokenizer_folder)
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     pool.add(backend)
     session = LLMSession("job", pool)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
@@ -108,11 +110,11 @@ async def test_transient_errors_are_retried_and_4xx_are_not(fake: FakeTokenServe
 
 
 def test_token_backends_need_a_tokenizer(tmp_path: Path) -> None:
-    with pytest.raises(InvalidArgument, match="needs tokenizer_path"):
-        build_backend(BackendSpec(id="v", kind="vllm", base_url="http://x/v1"), timeout_s=1, max_retries=0)
+    with pytest.raises(ValidationError, match="needs tokenizer_path"):
+        BackendSettings(id="v", kind="vllm", base_url="http://x/v1")
     with pytest.raises(InvalidArgument, match="cannot read a Hugging Face tokenizer"):
         build_backend(
-            BackendSpec(id="v", kind="sglang", base_url="http://x", tokenizer_path=str(tmp_path)),
+            BackendSettings(id="v", kind="sglang", base_url="http://x", tokenizer_path=str(tmp_path)),
             timeout_s=1,
             max_retries=0,
         )
@@ -131,9 +133,11 @@ async def test_tools_reach_a_chat_template_that_renders_them(tmp_path: Path) -> 
     fake = FakeVLLM(folder, lambda prompt: "done")
     await fake.start()
     backend = build_backend(
-        BackendSpec(id="v", kind="vllm", base_url=fake.base_url, tokenizer_path=str(folder)), timeout_s=5, max_retries=0
+        BackendSettings(id="v", kind="vllm", base_url=fake.base_url, tokenizer_path=str(folder)),
+        timeout_s=5,
+        max_retries=0,
     )
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     pool.add(backend)
     tools = [{"type": "function", "function": {"name": "bash", "parameters": {}}}]
     await LLMSession("job", pool).chat([{"role": "user", "content": "hi"}], tools, SAMPLING)
