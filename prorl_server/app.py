@@ -9,9 +9,8 @@ this server's containers -> stop the children.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import grpc
 import structlog
@@ -26,17 +25,19 @@ from prorl_server.api.errors import ErrorInterceptor
 from prorl_server.api.rollout_servicer import RolloutServicer
 from prorl_server.config import ConfigError, Settings
 from prorl_server.jobs.manager import JobManager
-from prorl_server.jobs.pipeline import PHASE_NAMES
+from prorl_server.jobs.phases import PhaseGate, phase_gates
+from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.store import SQLiteJobStore
-from prorl_server.llm.base import BackendInfo
-from prorl_server.llm.factory import BackendSpec, build_backend
+from prorl_server.llm.base import BackendInfo, LLMBackend
+from prorl_server.llm.factory import build_backend
 from prorl_server.llm.llama_cpp_backend import EMBEDDED_MODEL_NAME, LlamaCppBackend
-from prorl_server.llm.router import BackendPool
-from prorl_server.metrics import Metrics, gauge
-from prorl_server.sandbox.base import SandboxSpec
-from prorl_server.sandbox.podman import LABEL_POOL, PodmanOptions, PodmanProvider
+from prorl_server.llm.router import BackendRouter
+from prorl_server.metrics import Metrics
+from prorl_server.sandbox.base import LABEL_POOL, SandboxProvider, SandboxSpec
+from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
 from prorl_server.sandbox.podman_service import PodmanService
-from prorl_server.sandbox.pool import SandboxPools
+from prorl_server.sandbox.allocator import SandboxAllocator
+from prorl_server.stats import PhaseLoad, ServerStats
 
 log = structlog.get_logger(__name__)
 
@@ -45,16 +46,29 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class ProrlServer:
-    def __init__(self, settings: Settings, *, registry: HandlerRegistry | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: HandlerRegistry | None = None,
+        sandbox_provider: SandboxProvider | None = None,
+        backends: Sequence[LLMBackend] = (),
+    ) -> None:
+        """`sandbox_provider` replaces the Podman one the settings describe (no Podman service
+        is started then); `backends` are served beside the configured ones. Both are for
+        embedding the server, e.g. in the fast tests with in-process fakes."""
         self.settings = settings
         self._registry = registry or default_registry()
         self._podman: PodmanService | None = None
-        self._provider: PodmanProvider | None = None
-        self._sandboxes: SandboxPools | None = None
-        self._pool = BackendPool(
+        self._provider: SandboxProvider | None = sandbox_provider
+        self._extra_backends = list(backends)
+        self._sandboxes: SandboxAllocator | None = None
+        self._router = BackendRouter(
             health_interval_s=settings.llm.health_interval_s,
             failed_checks_to_evict=settings.llm.health_failures_to_evict,
         )
+        phases = settings.phases
+        self._gates: dict[v1.Phase, PhaseGate] = phase_gates(init=phases.init, run=phases.run, eval=phases.eval)
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self.manager: JobManager | None = None
@@ -76,13 +90,41 @@ class ProrlServer:
 
     async def _start(self) -> None:
         settings = self.settings
+        box = settings.sandbox
+        if self._provider is None:
+            self._provider = await self._podman_provider()
+        await self._provider.start()
+        self._sandboxes = SandboxAllocator(self._provider, self._warm_pool_specs())
+        self._sandboxes.start()
+        await self._start_backends()
+        if settings.jobs.store:
+            path = settings.jobs.store_path or str(
+                Path(box.state_dir) / "jobs" / f"{settings.server.instance_id}.sqlite"
+            )
+            self._store = SQLiteJobStore(path)
+            await self._store.open()
+        pipeline = Pipeline(gates=self._gates, sandboxes=self._sandboxes, router=self._router, metrics=self.metrics)
+        self.manager = JobManager(
+            settings=settings, registry=self._registry, pipeline=pipeline, metrics=self.metrics, store=self._store
+        )
+        await self.manager.restore()
+        if settings.server.metrics_port is not None:
+            self.metrics.watch(self.stats)
+            await self.metrics.serve(settings.server.host, settings.server.metrics_port)
+        await self._start_grpc()
+        log.info("server_started", address=self.address, instance=settings.server.instance_id)
+
+    async def _podman_provider(self) -> PodmanProvider:
+        """Rootless Podman as the settings describe it, with its own API service unless
+        sandbox.podman_socket names one."""
+        settings = self.settings
         socket_url = settings.sandbox.podman_socket
         if socket_url is None:
             self._podman = PodmanService(user=settings.sandbox.sandbox_user, name=settings.server.instance_id)
             await self._podman.start()
         podman = self._podman
         box = settings.sandbox
-        self._provider = PodmanProvider(
+        return PodmanProvider(
             url_factory=lambda: socket_url or (podman.url if podman else ""),
             options=PodmanOptions(
                 instance_id=settings.server.instance_id,
@@ -99,55 +141,19 @@ class ProrlServer:
                 allow_exec_fallback=box.allow_exec_fallback,
             ),
         )
-        await self._provider.start()
-        self._sandboxes = SandboxPools(self._provider, self._warm_pool_specs())
-        self._sandboxes.start()
-        await self._start_backends()
-        if settings.jobs.store:
-            path = settings.jobs.store_path or str(
-                Path(box.state_dir) / "jobs" / f"{settings.server.instance_id}.sqlite"
-            )
-            self._store = SQLiteJobStore(path)
-            await self._store.open()
-        self.manager = JobManager(
-            settings=settings,
-            registry=self._registry,
-            sandboxes=self._sandboxes,
-            pool=self._pool,
-            metrics=self.metrics,
-            store=self._store,
-        )
-        await self.manager.restore()
-        if settings.server.metrics_port is not None:
-            self.metrics.watch(self._live_metrics)
-            await self.metrics.serve(settings.server.host, settings.server.metrics_port)
-        await self._start_grpc()
-        log.info("server_started", address=self.address, instance=settings.server.instance_id)
 
-    def _live_metrics(self) -> Iterator[Any]:
-        """Gauges read at scrape time."""
-        manager, sandboxes = self.manager, self._sandboxes
-        if manager is None or sandboxes is None:
-            return
-        phases = [(PHASE_NAMES[phase], gate) for phase, gate in manager.gates.items()]
-        yield gauge(
-            "prorl_phase_queued", "Jobs waiting for a phase slot", ["phase"], [([n], g.queued) for n, g in phases]
+    def stats(self) -> ServerStats:
+        """The server's load now: what GetStats and the metrics' gauges report."""
+        manager, sandboxes, router = self.manager, self._sandboxes, self._router
+        return ServerStats(
+            phases=[PhaseLoad(phase, gate.queued, gate.active, gate.limit) for phase, gate in self._gates.items()],
+            jobs_by_status=manager.count_by_status() if manager is not None else {},
+            sandboxes_busy=sandboxes.busy if sandboxes is not None else 0,
+            pools=sandboxes.stats() if sandboxes is not None else [],
+            backends=router.entries(),
+            policy_version=router.policy_version,
+            paused=router.paused,
         )
-        yield gauge("prorl_phase_active", "Jobs in a phase", ["phase"], [([n], g.active) for n, g in phases])
-        pools = sandboxes.stats()
-        yield gauge("prorl_sandboxes_warm", "Warm sandboxes", ["image"], [([p.image], p.warm) for p in pools])
-        yield gauge("prorl_sandboxes_busy", "Sandboxes held by jobs", ["image"], [([p.image], p.busy) for p in pools])
-        entries = self._pool.entries()
-        yield gauge(
-            "prorl_backend_in_flight", "LLM requests in flight", ["backend"], [([e.id], e.in_flight) for e in entries]
-        )
-        yield gauge(
-            "prorl_backend_healthy", "1 when healthy", ["backend"], [([e.id], float(e.healthy)) for e in entries]
-        )
-        by_status = manager.stats()["by_status"]
-        assert isinstance(by_status, dict)
-        samples = [([v1.JobStatus.Name(s).removeprefix("JOB_STATUS_").lower()], c) for s, c in by_status.items()]
-        yield gauge("prorl_jobs", "Jobs known to the server, by status", ["status"], samples)
 
     def _warm_pool_specs(self) -> list[tuple[SandboxSpec, int]]:
         box = self.settings.sandbox
@@ -166,10 +172,9 @@ class ProrlServer:
     async def _start_backends(self) -> None:
         llm = self.settings.llm
         for configured in llm.backends:
-            spec = BackendSpec(**{**configured.model_dump(), "api_key": configured.api_key.get_secret_value()})
-            self._pool.add(build_backend(spec, timeout_s=llm.request_timeout_s, max_retries=llm.max_retries))
+            self._router.add(build_backend(configured, timeout_s=llm.request_timeout_s, max_retries=llm.max_retries))
         embedded = llm.embedded
-        if embedded.enabled == "always" or (embedded.enabled == "auto" and not llm.backends):
+        if embedded.enabled == "always" or (embedded.enabled == "auto" and not (llm.backends or self._extra_backends)):
             info = BackendInfo(
                 id="embedded",
                 kind="embedded",
@@ -186,8 +191,10 @@ class ProrlServer:
                 threads=embedded.threads,
             )
             await backend.start()
-            self._pool.add(backend, managed=True)
-        self._pool.start()
+            self._router.add(backend, managed=True)
+        for extra in self._extra_backends:
+            self._router.add(extra)
+        self._router.start()
 
     async def _start_grpc(self) -> None:
         assert self.manager is not None
@@ -205,7 +212,8 @@ class ProrlServer:
         v1.add_RolloutServiceServicer_to_server(RolloutServicer(self.manager), server)
         v1.add_AdminServiceServicer_to_server(
             AdminServicer(
-                self.manager,
+                self._router,
+                self.stats,
                 request_timeout_s=self.settings.llm.request_timeout_s,
                 max_retries=self.settings.llm.max_retries,
             ),
@@ -264,7 +272,7 @@ class ProrlServer:
             await self._sandboxes.close()
         if self._provider is not None:
             await self._provider.close()
-        await self._pool.close()
+        await self._router.close()
         if self._podman is not None:
             await self._podman.stop()
         log.info("server_stopped")

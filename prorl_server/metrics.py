@@ -8,12 +8,14 @@ own registry, so several servers in one process never mix their figures.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from prorl_client import v1
+from prorl_server.stats import ServerStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -41,12 +43,12 @@ class Metrics:
         self._runner: web.AppRunner | None = None
         self.port = 0
 
-    def watch(self, read: Callable[[], Iterator[GaugeMetricFamily]]) -> None:
-        """Register live gauges, computed by `read` at each scrape."""
+    def watch(self, read: Callable[[], ServerStats]) -> None:
+        """Register live gauges, computed from `read()` at each scrape."""
 
         class Live(Collector):
             def collect(self) -> Iterator[GaugeMetricFamily]:
-                return read()
+                return live_gauges(read())
 
         self.registry.register(Live())
 
@@ -81,8 +83,29 @@ class Metrics:
             self._runner = None
 
 
-def gauge(name: str, documentation: str, labels: list[str], samples: list[tuple[list[str], float]]) -> Any:
+def gauge(
+    name: str, documentation: str, labels: list[str], samples: list[tuple[list[str], float]]
+) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, documentation, labels=labels)
     for values, value in samples:
         family.add_metric(values, value)
     return family
+
+
+def live_gauges(stats: ServerStats) -> Iterator[GaugeMetricFamily]:
+    """The gauges of one reading of the server's load (GetStats reports the same reading)."""
+    phases = [(v1.Phase.Name(load.phase).removeprefix("PHASE_").lower(), load) for load in stats.phases]
+    yield gauge("prorl_phase_queued", "Jobs waiting for a phase slot", ["phase"], [([n], p.queued) for n, p in phases])
+    yield gauge("prorl_phase_active", "Jobs in a phase", ["phase"], [([n], p.active) for n, p in phases])
+    pools = stats.pools
+    yield gauge("prorl_sandboxes_warm", "Warm sandboxes", ["image"], [([p.image], p.warm) for p in pools])
+    yield gauge("prorl_sandboxes_busy", "Sandboxes held by jobs", ["image"], [([p.image], p.busy) for p in pools])
+    entries = stats.backends
+    yield gauge(
+        "prorl_backend_in_flight", "LLM requests in flight", ["backend"], [([e.id], e.in_flight) for e in entries]
+    )
+    yield gauge("prorl_backend_healthy", "1 when healthy", ["backend"], [([e.id], float(e.healthy)) for e in entries])
+    samples: list[tuple[list[str], float]] = [
+        ([v1.JobStatus.Name(s).removeprefix("JOB_STATUS_").lower()], c) for s, c in stats.jobs_by_status.items()
+    ]
+    yield gauge("prorl_jobs", "Jobs known to the server, by status", ["status"], samples)

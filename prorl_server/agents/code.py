@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from prorl_server.agents.base import EvalOutcome, RolloutContext
+from pydantic import Field, StrictStr, field_validator
+
+from prorl_server.agents.base import EvalOutcome, RolloutContext, RunOutcome, TaskInstance
+from prorl_server.agents.fields import Seconds, Text
 from prorl_server.agents.loop import ToolLoopHandler
 from prorl_server.agents.tools import BashTool, FinishTool, PythonTool
-from prorl_server.errors import InvalidArgument
 from prorl_server.verifiers.code import run_function_tests, run_stdio_tests
 
 SYSTEM_PROMPT = """You write correct Python 3 code. You may run code in a sandbox to test it.
@@ -35,64 +37,73 @@ PROGRAM_TASK = "Write a Python 3 program that reads standard input and writes st
 DEFAULT_EVAL_TIMEOUT_S = 30.0
 
 
-class CodeHandler(ToolLoopHandler):
+MAX_EVAL_TIMEOUT_S = 600.0
+
+
+class FunctionTask(TaskInstance):
+    """HumanEval style: complete a function; check(candidate) decides."""
+
+    prompt: Text
+    entry_point: Text
+    test: Text
+    eval_timeout_s: Seconds = Field(DEFAULT_EVAL_TIMEOUT_S, gt=0, le=MAX_EVAL_TIMEOUT_S)
+
+    @field_validator("entry_point")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        if not value.isidentifier():
+            raise ValueError("must be a Python identifier")
+        return value
+
+
+class StdioCase(TaskInstance):
+    input: StrictStr
+    output: StrictStr
+
+
+class ProgramTask(TaskInstance):
+    """A stdin/stdout program, judged on each {input, output} pair."""
+
+    problem: Text
+    tests: list[StdioCase] = Field(min_length=1)
+    eval_timeout_s: Seconds = Field(DEFAULT_EVAL_TIMEOUT_S, gt=0, le=MAX_EVAL_TIMEOUT_S)
+
+
+CodeTask = FunctionTask | ProgramTask
+
+
+class CodeHandler(ToolLoopHandler[CodeTask, RunOutcome]):
     name = "code"
     system_prompt = SYSTEM_PROMPT
     tools = (PythonTool(), BashTool(), FinishTool())
 
-    @staticmethod
-    def style(instance: dict[str, Any]) -> str:
-        return "function" if "entry_point" in instance else "program"
+    def parse(self, instance: dict[str, Any]) -> CodeTask:
+        """A function task when the instance names an `entry_point`, else a program."""
+        model = FunctionTask if "entry_point" in instance else ProgramTask
+        return model.model_validate(instance)
 
-    def validate(self, instance: dict[str, Any]) -> None:
-        if self.style(instance) == "function":
-            for field in ("prompt", "entry_point", "test"):
-                if not isinstance(instance.get(field), str) or not instance[field].strip():
-                    raise InvalidArgument(f"code instance (function style) needs a non-empty string field {field!r}")
-            if not instance["entry_point"].isidentifier():
-                raise InvalidArgument("code instance field 'entry_point' must be a Python identifier")
-        else:
-            if not isinstance(instance.get("problem"), str) or not instance["problem"].strip():
-                raise InvalidArgument(
-                    "code instance needs 'problem' and 'tests' (program style) or 'prompt', 'entry_point' and "
-                    "'test' (function style)"
-                )
-            tests = instance.get("tests")
-            if (
-                not isinstance(tests, list)
-                or not tests
-                or not all(
-                    isinstance(t, dict) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str)
-                    for t in tests
-                )
-            ):
-                raise InvalidArgument("code instance field 'tests' must be a non-empty list of {input, output} strings")
-        timeout = instance.get("eval_timeout_s", DEFAULT_EVAL_TIMEOUT_S)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 600:
-            raise InvalidArgument("code instance field 'eval_timeout_s' must be a number in (0, 600]")
+    def user_prompt(self, instance: CodeTask) -> str:
+        if isinstance(instance, FunctionTask):
+            return FUNCTION_TASK.format(prompt=instance.prompt)
+        return PROGRAM_TASK.format(problem=instance.problem)
 
-    def user_prompt(self, instance: dict[str, Any]) -> str:
-        if self.style(instance) == "function":
-            return FUNCTION_TASK.format(prompt=instance["prompt"])
-        return PROGRAM_TASK.format(problem=instance["problem"])
-
-    async def evaluate(self, ctx: RolloutContext) -> EvalOutcome:
+    async def evaluate(self, ctx: RolloutContext[CodeTask], outcome: RunOutcome) -> EvalOutcome:
         instance = ctx.instance
-        answer = ctx.state.get("answer")
-        details: dict[str, Any] = {"stop_reason": ctx.state.get("stop_reason")}
-        if not answer:
+        details: dict[str, Any] = {"stop_reason": outcome.stop_reason}
+        if not outcome.answer:
             return EvalOutcome(0.0, {**details, "verdict": "no code submitted"})
         sandbox = await ctx.open_sandbox()  # fresh: nothing the agent left behind can affect the tests
-        timeout = float(instance.get("eval_timeout_s", DEFAULT_EVAL_TIMEOUT_S))
-        if self.style(instance) == "function":
+        timeout = float(instance.eval_timeout_s)
+        if isinstance(instance, FunctionTask):
             passed, result = await run_function_tests(
                 sandbox,
-                prompt=instance["prompt"],
-                answer=str(answer),
-                test=instance["test"],
-                entry_point=instance["entry_point"],
+                prompt=instance.prompt,
+                answer=outcome.answer,
+                test=instance.test,
+                entry_point=instance.entry_point,
                 timeout_s=timeout,
             )
         else:
-            passed, result = await run_stdio_tests(sandbox, str(answer), instance["tests"], timeout)
+            cases = [case.model_dump() for case in instance.tests]
+            passed, result = await run_stdio_tests(sandbox, outcome.answer, cases, timeout)
         return EvalOutcome(1.0 if passed else 0.0, {**details, **result})

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from prorl_server.agents.base import AgentHandler, RolloutContext
+from prorl_server.agents.base import AgentHandler, InstanceT, OutcomeT, RolloutContext
+from prorl_server.agents.outcomes import RunOutcome, ToolOutput
 from prorl_server.agents.tool_calls import ParsedCall, format_hint, from_api, parse_text
-from prorl_server.agents.tools import Tool, ToolOutput
+from prorl_server.agents.tools import Tool
 from prorl_server.errors import ContextLengthExceeded
 from prorl_server.llm.base import ChatResult
-
-
-@dataclass(frozen=True)
-class LoopOutcome:
-    stop_reason: str
-    """"finish" (the agent called finish), "max_turns", or "context_length" (the
-    conversation outgrew the model's context: a policy outcome, evaluated as usual)."""
 
 
 def describe_tools(tools: Sequence[Tool]) -> str:
@@ -28,7 +22,7 @@ def describe_tools(tools: Sequence[Tool]) -> str:
     return "\n".join(lines)
 
 
-async def _call_tool(ctx: RolloutContext, tools: dict[str, Tool], call: ParsedCall) -> ToolOutput:
+async def _call_tool(ctx: RolloutContext[Any], tools: dict[str, Tool], call: ParsedCall) -> ToolOutput:
     if call.error:
         return ToolOutput(output=f"Error: {call.error}", error=True)
     tool = tools.get(call.name)
@@ -43,9 +37,7 @@ async def _call_tool(ctx: RolloutContext, tools: dict[str, Tool], call: ParsedCa
     started = time.perf_counter()
     output = await tool.run(ctx, call.arguments)
     if not output.duration_s:
-        output = ToolOutput(
-            output.output, output.exit_code, output.truncated, output.error, time.perf_counter() - started
-        )
+        output = dataclasses.replace(output, duration_s=time.perf_counter() - started)
     return output
 
 
@@ -69,8 +61,9 @@ def _assistant(result: ChatResult, calls: list[ParsedCall], tool_role: bool) -> 
 
 
 async def run_tool_loop(
-    ctx: RolloutContext, *, system_prompt: str, user_prompt: str, tools: Sequence[Tool]
-) -> LoopOutcome:
+    ctx: RolloutContext[Any], *, system_prompt: str, user_prompt: str, tools: Sequence[Tool]
+) -> RunOutcome:
+    """Turns until the agent calls finish, the turn limit, or the model's context is full."""
     recorder = ctx.recorder
     by_name = {tool.name: tool for tool in tools}
     schemas = [tool.schema() for tool in tools]
@@ -80,7 +73,7 @@ async def run_tool_loop(
         try:
             result = await ctx.chat(list(recorder.messages), schemas, ctx.sampling)
         except ContextLengthExceeded:
-            return LoopOutcome("context_length")
+            return RunOutcome("context_length")
         recorder.model_turn(turn, result)
         parser = result.tool_call_parser or "hermes"
         if result.tool_calls:
@@ -98,7 +91,7 @@ async def run_tool_loop(
             )
             continue
         as_user: list[str] = []
-        finished = False
+        finished: ToolOutput | None = None
         for call in calls:
             recorder.tool_call(turn, call)
             output = await _call_tool(ctx, by_name, call)
@@ -108,37 +101,47 @@ async def run_tool_loop(
                 recorder.add_message({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text})
             else:
                 as_user.append(f"<tool_response>\n{text}\n</tool_response>")
-            if ctx.state.get("finished"):
-                finished = True
+            if output.ends_episode:
+                finished = output
                 break
         if as_user:
             recorder.add_message({"role": "user", "content": "\n".join(as_user)})
-        if finished:
-            return LoopOutcome("finish")
-    return LoopOutcome("max_turns")
+        if finished is not None:
+            return RunOutcome("finish", answer=finished.answer)
+    return RunOutcome("max_turns")
 
 
-class ToolLoopHandler(AgentHandler):
+class ToolLoopHandler(AgentHandler[InstanceT, OutcomeT]):
     """A family whose agent is the shared tool loop in one sandbox.
 
-    Subclasses give `tools`, `system_prompt` (with a `{tools}` placeholder),
-    `user_prompt(instance)`, `validate` and `evaluate`.
+    Subclasses give `tools`, the prompts (`system_prompt` with a `{tools}`
+    placeholder, or `system_text` for more; `user_prompt`), `instance_model`
+    and `evaluate`. A family whose submission is more than the finish call's
+    answer (SWE: the repository's diff) turns the loop's outcome into its own
+    in `submission`.
     """
 
     system_prompt: str = "{tools}"
     tools: Sequence[Tool] = ()
 
-    def user_prompt(self, instance: dict[str, Any]) -> str:
+    def system_text(self, instance: InstanceT) -> str:
+        return self.system_prompt.format(tools=describe_tools(self.tools))
+
+    def user_prompt(self, instance: InstanceT) -> str:
         raise NotImplementedError
 
-    async def init(self, ctx: RolloutContext) -> None:
+    async def init(self, ctx: RolloutContext[InstanceT]) -> None:
         await ctx.open_sandbox()
 
-    async def run(self, ctx: RolloutContext) -> None:
+    async def run(self, ctx: RolloutContext[InstanceT]) -> OutcomeT:
         outcome = await run_tool_loop(
             ctx,
-            system_prompt=self.system_prompt.format(tools=describe_tools(self.tools)),
+            system_prompt=self.system_text(ctx.instance),
             user_prompt=self.user_prompt(ctx.instance),
             tools=self.tools,
         )
-        ctx.state["stop_reason"] = outcome.stop_reason
+        return await self.submission(ctx, outcome)
+
+    async def submission(self, ctx: RolloutContext[InstanceT], outcome: RunOutcome) -> OutcomeT:
+        """The run's outcome; by default the loop's own (families whose OutcomeT is RunOutcome)."""
+        return cast(OutcomeT, outcome)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prorl_server.agents.base import AgentHandler
+from prorl_server.agents.base import AnyHandler
 from prorl_server.agents.code import CodeHandler
 from prorl_server.agents.math import MathHandler
 from prorl_server.agents.stem import StemHandler
@@ -13,17 +13,17 @@ from prorl_server.errors import InvalidArgument
 
 
 class HandlerRegistry:
-    def __init__(self, handlers: Iterable[AgentHandler] = ()) -> None:
-        self._handlers: dict[str, AgentHandler] = {}
+    def __init__(self, handlers: Iterable[AnyHandler] = ()) -> None:
+        self._handlers: dict[str, AnyHandler] = {}
         for handler in handlers:
             self.register(handler)
 
-    def register(self, handler: AgentHandler) -> None:
+    def register(self, handler: AnyHandler) -> None:
         if not handler.name:
             raise ValueError(f"{type(handler).__name__} has no name")
         self._handlers[handler.name] = handler
 
-    def get(self, name: str) -> AgentHandler:
+    def get(self, name: str) -> AnyHandler:
         handler = self._handlers.get(name)
         if handler is None:
             known = ", ".join(sorted(self._handlers)) or "none"

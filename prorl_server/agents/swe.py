@@ -18,10 +18,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-from prorl_server.agents.base import EvalOutcome, RolloutContext
-from prorl_server.agents.loop import ToolLoopHandler, describe_tools, run_tool_loop
+from pydantic import BeforeValidator, Field, StrictStr, field_validator
+
+from prorl_server.agents.base import EvalOutcome, RolloutContext, RunOutcome, TaskInstance
+from prorl_server.agents.fields import Seconds, Text
+from prorl_server.agents.loop import ToolLoopHandler, describe_tools
 from prorl_server.agents.tools import BashTool, EditorTool, FinishTool
 from prorl_server.errors import InfrastructureError, InvalidArgument, PolicyError
 from prorl_server.verifiers.swe import judge
@@ -62,86 +66,117 @@ class SubmitTool(FinishTool):
     }
 
 
-def node_ids(instance: dict[str, Any], field: str) -> list[str]:
+def _test_list(value: Any) -> list[str]:
     """FAIL_TO_PASS / PASS_TO_PASS as a list, whether given as a list or as a JSON string of one."""
-    value = instance.get(field, [])
     if isinstance(value, str):
         try:
             value = json.loads(value) if value.strip() else []
         except json.JSONDecodeError as exc:
-            raise InvalidArgument(f"swe instance field {field!r} is a string but not a JSON list: {exc}") from None
+            raise ValueError(f"is a string but not a JSON list: {exc}") from None
     if not isinstance(value, list) or not all(isinstance(test, str) and test.strip() for test in value):
-        raise InvalidArgument(f"swe instance field {field!r} must be a list of pytest node ids")
+        raise ValueError("must be a list of pytest node ids")
     return value
 
 
-class SWEHandler(ToolLoopHandler):
+def node_ids(instance: dict[str, Any], field: str) -> list[str]:
+    """FAIL_TO_PASS / PASS_TO_PASS of a raw instance dict (see `_test_list`)."""
+    try:
+        return _test_list(instance.get(field, []))
+    except ValueError as exc:
+        raise InvalidArgument(f"swe instance field {field!r} {exc}") from None
+
+
+TestIds = Annotated[list[str], BeforeValidator(_test_list)]
+
+
+class SWEInstance(TaskInstance):
+    """SWE-bench's fields, plus the image that holds the repository at base_commit."""
+
+    model_config = TaskInstance.model_config | {"strict": False}  # lists may arrive as JSON strings
+
+    instance_id: Text
+    repo: Text
+    base_commit: Text
+    problem_statement: Text
+    image: Text
+    patch: StrictStr = ""
+    """The gold fix: never shown to the agent."""
+    test_patch: StrictStr = ""
+    pythonpath: StrictStr = ""
+    repo_dir: StrictStr = DEFAULT_REPO_DIR
+    FAIL_TO_PASS: TestIds
+    PASS_TO_PASS: TestIds = []
+    eval_timeout_s: Seconds = Field(DEFAULT_EVAL_TIMEOUT_S, gt=0, le=3600)
+
+    @field_validator("base_commit")
+    @classmethod
+    def _hex_commit(cls, value: str) -> str:
+        if not _COMMIT.match(value):
+            raise ValueError("must be a hex commit id (7-40 lowercase digits)")
+        return value
+
+    @field_validator("repo_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute path")
+        return value
+
+    @field_validator("FAIL_TO_PASS")
+    @classmethod
+    def _some_test(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("must name at least one test")
+        return value
+
+
+@dataclass(frozen=True)
+class SWERunOutcome(RunOutcome):
+    patch: str = ""
+    """The submission: the repository's diff against base_commit when the agent stopped."""
+
+
+class SWEHandler(ToolLoopHandler[SWEInstance, SWERunOutcome]):
     name = "swe"
+    instance_model = SWEInstance
     tools = (BashTool(), EditorTool(), SubmitTool())
 
-    def image_for(self, instance: dict[str, Any]) -> str | None:
-        image = instance.get("image")
-        return image if isinstance(image, str) and image else None
+    def image_for(self, instance: SWEInstance) -> str | None:
+        return instance.image
 
-    def validate(self, instance: dict[str, Any]) -> None:
-        for key in ("instance_id", "repo", "base_commit", "problem_statement", "image"):
-            if not isinstance(instance.get(key), str) or not instance[key].strip():
-                raise InvalidArgument(f"swe instance needs a non-empty string field {key!r}")
-        if not _COMMIT.match(instance["base_commit"]):
-            raise InvalidArgument("swe instance field 'base_commit' must be a hex commit id (7-40 lowercase digits)")
-        for key in ("patch", "test_patch", "pythonpath"):
-            if not isinstance(instance.get(key, ""), str):
-                raise InvalidArgument(f"swe instance field {key!r} must be a string")
-        repo_dir = instance.get("repo_dir", DEFAULT_REPO_DIR)
-        if not isinstance(repo_dir, str) or not repo_dir.startswith("/"):
-            raise InvalidArgument("swe instance field 'repo_dir' must be an absolute path")
-        if not node_ids(instance, "FAIL_TO_PASS"):
-            raise InvalidArgument("swe instance field 'FAIL_TO_PASS' must name at least one test")
-        node_ids(instance, "PASS_TO_PASS")
-        timeout = instance.get("eval_timeout_s", DEFAULT_EVAL_TIMEOUT_S)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
-            raise InvalidArgument("swe instance field 'eval_timeout_s' must be a number in (0, 3600]")
+    def system_text(self, instance: SWEInstance) -> str:
+        return SYSTEM_PROMPT.format(repo_dir=instance.repo_dir, tools=describe_tools(self.tools))
 
-    @staticmethod
-    def repo_dir(instance: dict[str, Any]) -> str:
-        return str(instance.get("repo_dir", DEFAULT_REPO_DIR))
-
-    def user_prompt(self, instance: dict[str, Any]) -> str:
+    def user_prompt(self, instance: SWEInstance) -> str:
         return USER_PROMPT.format(
-            repo=instance["repo"], repo_dir=self.repo_dir(instance), problem_statement=instance["problem_statement"]
+            repo=instance.repo, repo_dir=instance.repo_dir, problem_statement=instance.problem_statement
         )
 
-    async def init(self, ctx: RolloutContext) -> None:
+    async def init(self, ctx: RolloutContext[SWEInstance]) -> None:
         sandbox = await ctx.open_sandbox()
-        repo_dir = shlex.quote(self.repo_dir(ctx.instance))
-        result = await sandbox.bash(f"cd {repo_dir} && git rev-parse HEAD", timeout_s=60)
+        instance = ctx.instance
+        result = await sandbox.bash(f"cd {shlex.quote(instance.repo_dir)} && git rev-parse HEAD", timeout_s=60)
         found = result.output.strip()
         head = found.splitlines()[-1] if found else ""
-        if result.exit_code != 0 or not head.startswith(ctx.instance["base_commit"]):
+        if result.exit_code != 0 or not head.startswith(instance.base_commit):
             raise InfrastructureError(
-                f"image {ctx.instance['image']!r} does not hold the repository at base_commit "
-                f"{ctx.instance['base_commit']} in {self.repo_dir(ctx.instance)} (found: {found[-300:]!r})",
+                f"image {instance.image!r} does not hold the repository at base_commit "
+                f"{instance.base_commit} in {instance.repo_dir} (found: {found[-300:]!r})",
                 reason="swe_image_mismatch",
             )
 
-    async def run(self, ctx: RolloutContext) -> None:
-        repo_dir = self.repo_dir(ctx.instance)
-        outcome = await run_tool_loop(
-            ctx,
-            system_prompt=SYSTEM_PROMPT.format(repo_dir=repo_dir, tools=describe_tools(self.tools)),
-            user_prompt=self.user_prompt(ctx.instance),
-            tools=self.tools,
-        )
-        ctx.state["stop_reason"] = outcome.stop_reason
-        ctx.state["patch"] = await self._repository_diff(ctx, repo_dir)
+    async def submission(self, ctx: RolloutContext[SWEInstance], outcome: RunOutcome) -> SWERunOutcome:
+        patch = await self._repository_diff(ctx)
+        return SWERunOutcome(outcome.stop_reason, outcome.answer, patch=patch)
 
     @staticmethod
-    async def _repository_diff(ctx: RolloutContext, repo_dir: str) -> str:
+    async def _repository_diff(ctx: RolloutContext[SWEInstance]) -> str:
         """The submission: every change in the work tree (new files included) against base_commit."""
         out = "/tmp/prorl-submission.patch"
-        base = shlex.quote(ctx.instance["base_commit"])
+        base = shlex.quote(ctx.instance.base_commit)
         result = await ctx.sandbox.bash(
-            f"cd {shlex.quote(repo_dir)} && git add -A && git diff --cached --binary {base} > {out}", timeout_s=120
+            f"cd {shlex.quote(ctx.instance.repo_dir)} && git add -A && git diff --cached --binary {base} > {out}",
+            timeout_s=120,
         )
         if result.exit_code != 0:
             # Init saw git work at base_commit, and since then only the agent's commands
@@ -151,12 +186,12 @@ class SWEHandler(ToolLoopHandler):
             )
         return (await ctx.sandbox.read_file(out, max_bytes=MAX_PATCH_BYTES + 1)).decode(errors="replace")
 
-    async def evaluate(self, ctx: RolloutContext) -> EvalOutcome:
+    async def evaluate(self, ctx: RolloutContext[SWEInstance], outcome: SWERunOutcome) -> EvalOutcome:
         instance = ctx.instance
-        patch = str(ctx.state.get("patch", ""))
+        patch = outcome.patch
         details: dict[str, Any] = {
-            "stop_reason": ctx.state.get("stop_reason"),
-            "instance_id": instance["instance_id"],
+            "stop_reason": outcome.stop_reason,
+            "instance_id": instance.instance_id,
             "patch": patch,
         }
         if len(patch) > MAX_PATCH_BYTES:
@@ -164,13 +199,13 @@ class SWEHandler(ToolLoopHandler):
         sandbox = await ctx.open_sandbox()  # fresh: nothing but the diff carries over from the agent's sandbox
         verdict = await judge(
             sandbox,
-            repo_dir=self.repo_dir(instance),
-            base_commit=instance["base_commit"],
+            repo_dir=instance.repo_dir,
+            base_commit=instance.base_commit,
             patch=patch,
-            test_patch=str(instance.get("test_patch", "")),
-            fail_to_pass=node_ids(instance, "FAIL_TO_PASS"),
-            pass_to_pass=node_ids(instance, "PASS_TO_PASS"),
-            pythonpath=str(instance.get("pythonpath", "")),
-            timeout_s=float(instance.get("eval_timeout_s", DEFAULT_EVAL_TIMEOUT_S)),
+            test_patch=instance.test_patch,
+            fail_to_pass=instance.FAIL_TO_PASS,
+            pass_to_pass=instance.PASS_TO_PASS,
+            pythonpath=instance.pythonpath,
+            timeout_s=float(instance.eval_timeout_s),
         )
         return EvalOutcome(1.0 if verdict.resolved else 0.0, {**details, **verdict.details()})

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import abc
 import json
-import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from prorl_server.agents.base import RolloutContext
+from prorl_server.agents.outcomes import Limits, ToolOutput
+from prorl_server.sandbox.base import Sandbox
 
 
-@dataclass(frozen=True)
-class ToolOutput:
-    output: str
-    exit_code: int | None = None
-    truncated: bool = False
-    error: bool = False
-    """The call could not run as asked (a policy format error)."""
-    duration_s: float = 0.0
+class ToolContext(Protocol):
+    """What a tool may use of its job (RolloutContext is one)."""
+
+    @property
+    def sandbox(self) -> Sandbox: ...
+
+    @property
+    def limits(self) -> Limits: ...
 
 
 class Tool(abc.ABC):
@@ -51,7 +49,7 @@ class Tool(abc.ABC):
         return None
 
     @abc.abstractmethod
-    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput: ...
+    async def run(self, ctx: ToolContext, arguments: dict[str, Any]) -> ToolOutput: ...
 
 
 class BashTool(Tool):
@@ -63,7 +61,7 @@ class BashTool(Tool):
         "required": ["command"],
     }
 
-    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
+    async def run(self, ctx: ToolContext, arguments: dict[str, Any]) -> ToolOutput:
         result = await ctx.sandbox.bash(arguments["command"], timeout_s=ctx.limits.tool_timeout_s)
         return ToolOutput(result.output, result.exit_code, result.truncated, duration_s=result.duration_s)
 
@@ -77,7 +75,7 @@ class PythonTool(Tool):
         "required": ["code"],
     }
 
-    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
+    async def run(self, ctx: ToolContext, arguments: dict[str, Any]) -> ToolOutput:
         result = await ctx.sandbox.python(arguments["code"], timeout_s=ctx.limits.tool_timeout_s)
         return ToolOutput(result.output, None, result.truncated, duration_s=result.duration_s)
 
@@ -96,12 +94,11 @@ class FinishTool(Tool):
             arguments["answer"] = str(arguments["answer"])
         return super().check_arguments(arguments)
 
-    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
-        started = time.perf_counter()
-        if "answer" in arguments:
-            ctx.state["answer"] = arguments["answer"]
-        ctx.state["finished"] = True
-        return ToolOutput(output="Answer submitted.", duration_s=time.perf_counter() - started)
+    async def run(self, ctx: ToolContext, arguments: dict[str, Any]) -> ToolOutput:
+        answer = arguments.get("answer")
+        return ToolOutput(
+            output="Answer submitted.", ends_episode=True, answer=answer if isinstance(answer, str) else None
+        )
 
 
 class EditorTool(Tool):
@@ -142,7 +139,7 @@ class EditorTool(Tool):
             return f"{self.name}: command must be one of {allowed}, got {arguments['command']!r}"
         return None
 
-    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
+    async def run(self, ctx: ToolContext, arguments: dict[str, Any]) -> ToolOutput:
         params = {k: v for k, v in arguments.items() if k not in ("command", "path")}
         command = self._RUNTIME_COMMANDS.get(arguments["command"], arguments["command"])
         result = await ctx.sandbox.edit(command, arguments["path"], **params)

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from prorl_server.api.handlers import replace_behaviour
+from prorl_server.api.rpc_wrapping import replace_behaviour
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 MESSAGE = "missing or wrong bearer token: send the metadata `authorization: Bearer <token>`"

@@ -14,7 +14,7 @@ import grpc
 import structlog
 
 from prorl_server import errors
-from prorl_server.api.handlers import replace_behaviour
+from prorl_server.api.rpc_wrapping import replace_behaviour
 
 log = structlog.get_logger(__name__)
 

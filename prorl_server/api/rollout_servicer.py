@@ -11,6 +11,7 @@ import grpc
 from prorl_client import v1
 from prorl_server.api.errors import status_code
 from prorl_server.errors import InvalidArgument, ProrlError
+from prorl_server.jobs import wire
 from prorl_server.jobs.manager import JobManager
 
 # Responses buffered per RolloutStream before its watchers wait for the client.
@@ -88,7 +89,7 @@ class RolloutServicer(v1.RolloutServiceServicer):
         self, request: v1.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> v1.SubmitResponse:
         job, created = self._manager.submit(request.rollout)
-        return v1.SubmitResponse(job=job.to_proto(), created=created)
+        return v1.SubmitResponse(job=wire.job(job), created=created)
 
     async def Watch(  # noqa: N802
         self, request: v1.WatchRequest, context: grpc.aio.ServicerContext
@@ -99,7 +100,7 @@ class RolloutServicer(v1.RolloutServiceServicer):
     async def GetJob(  # noqa: N802
         self, request: v1.GetJobRequest, context: grpc.aio.ServicerContext
     ) -> v1.GetJobResponse:
-        return v1.GetJobResponse(job=self._manager.get(request.job_id).to_proto())
+        return v1.GetJobResponse(job=wire.job(self._manager.get(request.job_id)))
 
     async def ListJobs(  # noqa: N802
         self, request: v1.ListJobsRequest, context: grpc.aio.ServicerContext
@@ -111,10 +112,10 @@ class RolloutServicer(v1.RolloutServiceServicer):
             page_size=request.page_size,
             page_token=request.page_token,
         )
-        return v1.ListJobsResponse(jobs=[job.to_proto() for job in jobs], next_page_token=token)
+        return v1.ListJobsResponse(jobs=[wire.job(job) for job in jobs], next_page_token=token)
 
     async def Cancel(  # noqa: N802
         self, request: v1.CancelRequest, context: grpc.aio.ServicerContext
     ) -> v1.CancelResponse:
         job = await self._manager.cancel(request.job_id, request.reason)
-        return v1.CancelResponse(job=job.to_proto())
+        return v1.CancelResponse(job=wire.job(job))

@@ -27,15 +27,12 @@ from prorl_server.errors import (
     Unavailable,
 )
 from prorl_server.jobs.event_log import EventLog
-from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
 from prorl_server.jobs.store import SQLiteJobStore, StoredJob
 from prorl_server.jobs.uninterruptible import uninterruptible
 from prorl_server.jobs.validation import check_cancel_reason, check_job_id, resolve_plan
-from prorl_server.llm.router import BackendPool
 from prorl_server.metrics import Metrics
-from prorl_server.sandbox.pool import SandboxPools
 
 log = structlog.get_logger(__name__)
 
@@ -50,24 +47,15 @@ class JobManager:
         *,
         settings: Settings,
         registry: HandlerRegistry,
-        sandboxes: SandboxPools,
-        pool: BackendPool,
+        pipeline: Pipeline,
         metrics: Metrics | None = None,
         store: SQLiteJobStore | None = None,
     ) -> None:
         self._settings = settings
         self._registry = registry
-        self.sandboxes = sandboxes
-        self.pool = pool
-        phases = settings.phases
-        self.gates = {
-            v1.PHASE_INIT: PhaseGate(phases.init),
-            v1.PHASE_RUN: PhaseGate(phases.run),
-            v1.PHASE_EVAL: PhaseGate(phases.eval),
-        }
         self._metrics = metrics
         self._store = store
-        self._pipeline = Pipeline(gates=self.gates, sandboxes=sandboxes, pool=pool, metrics=metrics)
+        self._pipeline = pipeline
         self._jobs: dict[str, JobRecord] = {}
         self._finished: collections.deque[str] = collections.deque()
         self._numbers = itertools.count(1)
@@ -116,7 +104,7 @@ class JobManager:
     def _admit(self, job: JobRecord) -> JobRecord:
         """Queue a job whose plan is resolved: from here on it runs to an outcome."""
         self._jobs[job.job_id] = job
-        job.events.append(queued=v1.JobQueued(queue_position=self.gates[v1.PHASE_INIT].queued, attempt=job.attempt))
+        job.events.append(queued=v1.JobQueued(queue_position=self._pipeline.waiting, attempt=job.attempt))
         if self._metrics is not None:
             self._metrics.jobs_submitted.labels(job.request.handler).inc()
         task = asyncio.create_task(self._run(job), name=f"job-{job.job_id}")
@@ -293,9 +281,9 @@ class JobManager:
         if job.started and job.task is not None:
             job.task.cancel()
 
-    def stats(self) -> dict[str, object]:
-        by_status: dict[int, int] = collections.Counter(job.status for job in self._jobs.values())
-        return {"by_status": by_status, "sandboxes_busy": self.sandboxes.busy}
+    def count_by_status(self) -> dict[v1.JobStatus, int]:
+        """Jobs the server knows (queued, running and retained), by status."""
+        return dict(collections.Counter(job.status for job in self._jobs.values()))
 
     # --- lifecycle -------------------------------------------------------------
 

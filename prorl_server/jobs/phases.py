@@ -8,6 +8,8 @@ import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from prorl_client import v1
+
 
 class PhaseGate:
     def __init__(self, limit: int) -> None:
@@ -46,3 +48,8 @@ class PhaseGate:
                 self.active += 1
                 future.set_result(None)
                 return
+
+
+def phase_gates(*, init: int, run: int, eval: int) -> dict[v1.Phase, PhaseGate]:
+    """One gate per phase, with the limits of settings.phases."""
+    return {v1.PHASE_INIT: PhaseGate(init), v1.PHASE_RUN: PhaseGate(run), v1.PHASE_EVAL: PhaseGate(eval)}

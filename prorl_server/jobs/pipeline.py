@@ -1,45 +1,37 @@
 """Runs one job: init -> run -> eval, each behind its phase gate, within its budget.
 
 The budget counts only time inside the phases (never the wait for a slot).
-Whatever ends the job (success, failure, budget, cancel) it ends the same
-way: sandboxes removed, a result built from the trajectory so far, a
-`finished` event, the event log closed.
+`run`'s outcome is what `evaluate` judges. Whatever ends the job (success,
+failure, budget, cancel) it ends the same way: sandboxes removed, a result
+built from the trajectory so far, a `finished` event, the event log closed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from google.protobuf.struct_pb2 import Struct
 
 from prorl_client import v1
-from prorl_server.agents.base import EvalOutcome, FailureInfo, RolloutContext
-from prorl_server.agents.recorder import TrajectoryRecorder, duration
+from prorl_server.agents.base import EvalOutcome, RolloutContext
+from prorl_server.agents.events import AgentEvent
+from prorl_server.agents.recorder import TrajectoryRecorder
+from prorl_server.jobs import wire
+from prorl_server.jobs.phase_runner import PhaseResult, PhaseRunner, PhaseTimes
 from prorl_server.jobs.phases import PhaseGate
-from prorl_server.jobs.record import JobRecord
+from prorl_server.jobs.record import JobPlan, JobRecord
 from prorl_server.jobs.uninterruptible import uninterruptible
-from prorl_server.llm.router import BackendPool
+from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
 from prorl_server.metrics import Metrics
-from prorl_server.sandbox.base import Sandbox, SandboxSpec
-from prorl_server.sandbox.podman import LABEL_JOB
-from prorl_server.sandbox.pool import SandboxPools
+from prorl_server.sandbox.base import LABEL_JOB, Sandbox, SandboxSpec
+from prorl_server.sandbox.allocator import SandboxAllocator
 
 log = structlog.get_logger(__name__)
-
-PHASE_NAMES = {v1.PHASE_INIT: "init", v1.PHASE_RUN: "run", v1.PHASE_EVAL: "eval"}
-
-
-def to_struct(data: dict[str, Any]) -> Struct:
-    struct = Struct()
-    struct.update(json.loads(json.dumps(data, default=str)))
-    return struct
 
 
 @dataclass
@@ -47,8 +39,14 @@ class _Outcome:
     status: v1.JobStatus = v1.JOB_STATUS_SUCCEEDED
     failure: v1.Failure | None = None
     evaluation: EvalOutcome | None = None
-    phase_s: dict[v1.Phase, float] = field(default_factory=lambda: dict.fromkeys(PHASE_NAMES, 0.0))
-    queue_s: float = 0.0
+    times: PhaseTimes = field(default_factory=PhaseTimes)
+
+    def ended(self, result: PhaseResult) -> bool:
+        """Take a phase's result; True when the job goes no further."""
+        if result.ok:
+            return False
+        self.status, self.failure = result.status, result.failure
+        return True
 
 
 class Pipeline:
@@ -56,19 +54,22 @@ class Pipeline:
         self,
         *,
         gates: dict[v1.Phase, PhaseGate],
-        sandboxes: SandboxPools,
-        pool: BackendPool,
+        sandboxes: SandboxAllocator,
+        router: BackendRouter,
         metrics: Metrics | None = None,
     ) -> None:
-        self.gates = gates
+        self._phases = PhaseRunner(gates, metrics)
+        self._init_gate = gates[v1.PHASE_INIT]
         self._metrics = metrics
         self._sandboxes = sandboxes
-        self._pool = pool
+        self._router = router
 
-    def _context(self, job: JobRecord, session: LLMSession) -> RolloutContext:
-        plan = job.plan
-        assert plan is not None, "a restored job never runs again"
+    @property
+    def waiting(self) -> int:
+        """Jobs waiting to start (for an init slot)."""
+        return self._init_gate.queued
 
+    def _context(self, job: JobRecord, plan: JobPlan, session: LLMSession) -> RolloutContext[Any]:
         async def open_sandbox() -> Sandbox:
             spec = SandboxSpec(
                 image=plan.image or "",
@@ -79,6 +80,9 @@ class Pipeline:
             )
             return await self._sandboxes.acquire(spec)
 
+        def emit(event: AgentEvent) -> None:
+            job.events.append(**wire.agent_event(event))
+
         return RolloutContext(
             job_id=job.job_id,
             instance=plan.instance,
@@ -86,72 +90,19 @@ class Pipeline:
             sampling=plan.sampling,
             chat=session.chat,
             sandbox_factory=open_sandbox,
-            recorder=TrajectoryRecorder(job.events.append, self._metrics),
+            recorder=TrajectoryRecorder(emit, self._metrics),
         )
 
     async def execute(self, job: JobRecord) -> None:
-        session = LLMSession(job.job_id, self._pool)
-        ctx = self._context(job, session)
-        assert job.plan is not None
         plan = job.plan
-        handler = plan.handler
+        assert plan is not None, "a restored job never runs again"
+        session = LLMSession(job.job_id, self._router)
+        ctx = self._context(job, plan, session)
         outcome = _Outcome()
-        phases: list[tuple[v1.Phase, Callable[[RolloutContext], Awaitable[Any]], Callable[..., FailureInfo]]] = [
-            (v1.PHASE_INIT, handler.init, handler.on_init_error),
-            (v1.PHASE_RUN, handler.run, handler.on_run_error),
-            (v1.PHASE_EVAL, handler.evaluate, handler.on_eval_error),
-        ]
-        used_s = 0.0
         try:
             if job.cancel_reason is not None:  # cancelled before it started to run
                 raise asyncio.CancelledError
-            for phase, step, on_error in phases:
-                waited = time.monotonic()
-                async with self.gates[phase].slot(plan.priority):
-                    queue_wait = time.monotonic() - waited
-                    outcome.queue_s += queue_wait
-                    if self._metrics is not None:
-                        self._metrics.queue_seconds.labels(PHASE_NAMES[phase]).observe(queue_wait)
-                    job.phase, job.status = phase, v1.JOB_STATUS_RUNNING
-                    job.start_time = job.start_time or time.time()
-                    job.events.append(phase_started=v1.PhaseStarted(phase=phase, queue_wait=duration(queue_wait)))
-                    started = time.monotonic()
-                    try:
-                        async with asyncio.timeout(max(plan.budget_s - used_s, 0.0)) as deadline:
-                            value = await step(ctx)
-                    except TimeoutError:
-                        if not deadline.expired():
-                            raise
-                        outcome.status = v1.JOB_STATUS_TIMED_OUT
-                        outcome.failure = v1.Failure(
-                            # Running out of time in the agent loop is the policy's doing;
-                            # in sandbox start-up or the verifier it is not.
-                            kind=v1.FAILURE_KIND_POLICY if phase == v1.PHASE_RUN else v1.FAILURE_KIND_INFRASTRUCTURE,
-                            phase=phase,
-                            reason="budget_exceeded",
-                            message=f"the job's budget of {plan.budget_s:g}s ran out in the {PHASE_NAMES[phase]} phase",
-                        )
-                        break
-                    except Exception as exc:
-                        info = on_error(ctx, exc)
-                        outcome.status = v1.JOB_STATUS_FAILED
-                        outcome.failure = v1.Failure(
-                            kind=v1.FAILURE_KIND_INFRASTRUCTURE if info.infrastructure else v1.FAILURE_KIND_POLICY,
-                            phase=phase,
-                            reason=info.reason,
-                            message=info.message,
-                        )
-                        log.warning("job_phase_failed", phase=PHASE_NAMES[phase], reason=info.reason, error=str(exc))
-                        break
-                    finally:
-                        elapsed = time.monotonic() - started
-                        outcome.phase_s[phase] += elapsed
-                        used_s += elapsed
-                        if self._metrics is not None:
-                            self._metrics.phase_seconds.labels(PHASE_NAMES[phase]).observe(elapsed)
-                if phase == v1.PHASE_EVAL:
-                    outcome.evaluation = value
-                    job.events.append(evaluation=v1.Evaluation(reward=value.reward, details=to_struct(value.details)))
+            await self._run_phases(job, plan, ctx, outcome)
         except asyncio.CancelledError:
             outcome.status = v1.JOB_STATUS_CANCELLED
             outcome.failure = v1.Failure(
@@ -162,49 +113,82 @@ class Pipeline:
         # A Cancel that lands now finds the job cleaning up: its outcome stands.
         await uninterruptible(self._finish(job, ctx, session, outcome))
 
-    async def _finish(self, job: JobRecord, ctx: RolloutContext, session: LLMSession, outcome: _Outcome) -> None:
+    async def _run_phases(self, job: JobRecord, plan: JobPlan, ctx: RolloutContext[Any], outcome: _Outcome) -> None:
+        handler = plan.handler
+
+        async def phase(
+            which: v1.Phase, step: Callable[[], Awaitable[Any]], on_error: Callable[..., Any]
+        ) -> PhaseResult:
+            return await self._phases.run(
+                job,
+                which,
+                step,
+                lambda exc: on_error(ctx, exc),
+                times=outcome.times,
+                budget_s=plan.budget_s,
+                priority=plan.priority,
+            )
+
+        if outcome.ended(await phase(v1.PHASE_INIT, lambda: handler.init(ctx), handler.on_init_error)):
+            return
+        run = await phase(v1.PHASE_RUN, lambda: handler.run(ctx), handler.on_run_error)
+        if outcome.ended(run):
+            return
+        evaluation = await phase(v1.PHASE_EVAL, lambda: handler.evaluate(ctx, run.value), handler.on_eval_error)
+        if outcome.ended(evaluation):
+            return
+        value: EvalOutcome = evaluation.value
+        outcome.evaluation = value
+        job.events.append(evaluation=v1.Evaluation(reward=value.reward, details=wire.to_struct(value.details)))
+
+    async def _finish(self, job: JobRecord, ctx: RolloutContext[Any], session: LLMSession, outcome: _Outcome) -> None:
         cleanup_started = time.monotonic()
         try:
             await asyncio.shield(ctx.close_sandboxes())
         except Exception as exc:  # the job's outcome stands; the leftover is reaped by label
             log.error("sandbox_cleanup_failed", error=str(exc))
-        self._pool.forget(job.job_id)
-        cleanup_s = time.monotonic() - cleanup_started
-        recorder = ctx.recorder
-        details: dict[str, Any] = dict(outcome.evaluation.details) if outcome.evaluation else {}
-        details["format_errors"] = recorder.format_errors
-        assert job.plan is not None
-        details = job.plan.handler.shape_result(ctx, details)
-        result = v1.RolloutResult(
-            job_id=job.job_id,
-            status=outcome.status,
-            failure=outcome.failure,
-            reward=outcome.evaluation.reward if outcome.evaluation else 0.0,
-            trajectory=recorder.to_proto(session.token_trajectory()),
-            timing=v1.Timing(
-                queue=duration(outcome.queue_s),
-                init=duration(outcome.phase_s[v1.PHASE_INIT]),
-                run=duration(outcome.phase_s[v1.PHASE_RUN]),
-                eval=duration(outcome.phase_s[v1.PHASE_EVAL]),
-                llm=duration(recorder.llm_s),
-                tools=duration(recorder.tools_s),
-                sandbox_acquire=duration(ctx.sandbox_acquire_s),
-                total=duration(time.time() - job.create_time),
-                cleanup=duration(cleanup_s),
-            ),
-            details=to_struct(details),
-        )
+        self._router.forget(job.job_id)
+        result = self._result(job, ctx, session, outcome, cleanup_s=time.monotonic() - cleanup_started)
         job.result = result
         job.status = outcome.status
         job.end_time = time.time()
         job.events.append(finished=v1.JobFinished(result=result))
         job.events.close()
         if self._metrics is not None:
-            status = v1.JobStatus.Name(outcome.status).removeprefix("JOB_STATUS_").lower()
-            self._metrics.jobs_finished.labels(job.request.handler, status).inc()
+            self._metrics.jobs_finished.labels(job.request.handler, wire.status_name(outcome.status)).inc()
         log.info(
             "job_finished",
             status=v1.JobStatus.Name(outcome.status),
             reward=result.reward,
-            turns=recorder.num_turns,
+            turns=ctx.recorder.num_turns,
+        )
+
+    @staticmethod
+    def _result(
+        job: JobRecord, ctx: RolloutContext[Any], session: LLMSession, outcome: _Outcome, *, cleanup_s: float
+    ) -> v1.RolloutResult:
+        recorder = ctx.recorder
+        details: dict[str, Any] = dict(outcome.evaluation.details) if outcome.evaluation else {}
+        details["format_errors"] = recorder.format_errors
+        assert job.plan is not None
+        details = job.plan.handler.shape_result(ctx, details)
+        phase_s = outcome.times.phase_s
+        return v1.RolloutResult(
+            job_id=job.job_id,
+            status=outcome.status,
+            failure=outcome.failure,
+            reward=outcome.evaluation.reward if outcome.evaluation else 0.0,
+            trajectory=wire.trajectory(recorder, session.token_trajectory()),
+            timing=v1.Timing(
+                queue=wire.duration(outcome.times.queue_s),
+                init=wire.duration(phase_s[v1.PHASE_INIT]),
+                run=wire.duration(phase_s[v1.PHASE_RUN]),
+                eval=wire.duration(phase_s[v1.PHASE_EVAL]),
+                llm=wire.duration(recorder.llm_s),
+                tools=wire.duration(recorder.tools_s),
+                sandbox_acquire=wire.duration(ctx.sandbox_acquire_s),
+                total=wire.duration(time.time() - job.create_time),
+                cleanup=wire.duration(cleanup_s),
+            ),
+            details=wire.to_struct(details),
         )

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
-
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from prorl_client import v1
-from prorl_server.agents.base import AgentHandler, Limits
+from prorl_server.agents.base import AnyHandler, Limits, TaskInstance
 from prorl_server.jobs.event_log import EventLog
 from prorl_server.llm.base import Sampling
 
@@ -22,8 +19,9 @@ FINISHED_STATUSES = frozenset(
 class JobPlan:
     """The request with every default filled in and every limit checked."""
 
-    handler: AgentHandler
-    instance: dict[str, Any]
+    handler: AnyHandler
+    instance: TaskInstance
+    """The request's instance as the handler's model (checked at submission)."""
     limits: Limits
     sampling: Sampling
     budget_s: float
@@ -32,14 +30,6 @@ class JobPlan:
     memory_mib: int
     pids_limit: int
     priority: int
-
-
-def timestamp(seconds: float | None) -> Timestamp | None:
-    if seconds is None:
-        return None
-    value = Timestamp()
-    value.FromNanoseconds(int(seconds * 1e9))
-    return value
 
 
 @dataclass(eq=False)
@@ -69,18 +59,3 @@ class JobRecord:
     @property
     def finished(self) -> bool:
         return self.status in FINISHED_STATUSES
-
-    def to_proto(self) -> v1.Job:
-        return v1.Job(
-            job_id=self.job_id,
-            status=self.status,
-            phase=self.phase,
-            handler=self.request.handler,
-            group_id=self.request.group_id,
-            labels=dict(self.request.labels),
-            create_time=timestamp(self.create_time),
-            start_time=timestamp(self.start_time),
-            end_time=timestamp(self.end_time),
-            last_seq=self.events.last_seq,
-            result=self.result,
-        )

@@ -18,6 +18,7 @@ from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.config import Settings
 from prorl_server.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from prorl_server.jobs.record import JobPlan
+from prorl_server.jobs.wire import seconds
 from prorl_server.llm.base import Sampling
 
 JOB_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -36,10 +37,6 @@ MAX_CANCEL_REASON_CHARS = 1024
 def check_job_id(job_id: str) -> None:
     if not JOB_ID.match(job_id):
         raise InvalidArgument(f"job_id {job_id[:140]!r} is invalid: use 1-128 characters of A-Z a-z 0-9 . _ : -")
-
-
-def _seconds(duration: Any) -> float:
-    return float(duration.seconds) + float(duration.nanos) / 1e9
 
 
 def _sampling(request: v1.RolloutRequest, settings: Settings) -> Sampling:
@@ -77,7 +74,7 @@ def _budget(request: v1.RolloutRequest, settings: Settings) -> float:
     jobs = settings.jobs
     if not request.limits.HasField("budget"):
         return jobs.default_budget_s
-    budget = _seconds(request.limits.budget)
+    budget = seconds(request.limits.budget)
     if budget <= 0:
         raise InvalidArgument(f"limits.budget must be positive, got {budget:g}s")
     if budget > jobs.max_budget_s:
@@ -93,7 +90,7 @@ def _limits(request: v1.RolloutRequest, settings: Settings, budget_s: float) -> 
         raise InvalidArgument(f"limits.max_turns must be between 1 and {jobs.max_turns_ceiling}, got {max_turns}")
     tool_timeout = jobs.default_tool_timeout_s
     if limits.HasField("tool_timeout"):
-        tool_timeout = _seconds(limits.tool_timeout)
+        tool_timeout = seconds(limits.tool_timeout)
         if tool_timeout <= 0:
             raise InvalidArgument(f"limits.tool_timeout must be positive, got {tool_timeout:g}s")
         if tool_timeout > budget_s:
@@ -158,7 +155,7 @@ def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: Handl
         instance: dict[str, Any] = MessageToDict(request.instance)
     except ValueError as exc:  # NaN or infinity: JSON, and so the task, cannot carry them
         raise InvalidArgument(f"instance holds a value JSON cannot represent: {exc}") from None
-    handler.validate(instance)
+    task = handler.validate(instance)
     _labels(request)
     _retry(request, settings)
     box = settings.sandbox
@@ -175,11 +172,11 @@ def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: Handl
     budget_s = _budget(request, settings)
     return JobPlan(
         handler=handler,
-        instance=instance,
+        instance=task,
         limits=_limits(request, settings, budget_s),
         sampling=_sampling(request, settings),
         budget_s=budget_s,
-        image=_image(spec.image or handler.image_for(instance) or box.default_image, settings),
+        image=_image(spec.image or handler.image_for(task) or box.default_image, settings),
         cpus=cpus,
         memory_mib=memory,
         pids_limit=pids,

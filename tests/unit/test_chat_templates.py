@@ -10,12 +10,14 @@ import pytest
 
 from prorl_client import v1
 from prorl_server.agents.recorder import TrajectoryRecorder
-from prorl_server.api.admin_servicer import backend_from_proto, backend_to_proto
-from prorl_server.errors import LLMError
+from prorl_server.api.backend_messages import backend_to_proto, settings_from_proto
+from prorl_server.errors import InvalidArgument, LLMError
+from prorl_server.jobs import wire
+from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.base import ChatResult, Sampling
-from prorl_server.llm.factory import BackendSpec, build_backend
+from prorl_server.llm.factory import backend_info, build_backend
 from prorl_server.llm.hf_tokenizer import HFTokenizer
-from prorl_server.llm.router import BackendPool
+from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
 from prorl_server.llm.token_conversation import TokenConversation
 from tests.fakes.token_servers import FakeVLLM
@@ -104,23 +106,23 @@ async def test_model_turns_say_what_their_logprobs_are_and_where_they_sit(tmp_pa
     fake = FakeVLLM(folder, lambda prompt: "hello")
     fake.eos = fake.tokenizer.token_to_id("<|im_end|>")
     await fake.start()
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     backend = build_backend(
-        BackendSpec(id="v", kind="vllm", base_url=fake.base_url, tokenizer_path=str(folder), logprobs_mode="raw"),
+        BackendSettings(id="v", kind="vllm", base_url=fake.base_url, tokenizer_path=str(folder), logprobs_mode="raw"),
         timeout_s=5,
         max_retries=0,
     )
     pool.add(backend)
     session = LLMSession("job", pool)
     events: list[dict[str, object]] = []
-    recorder = TrajectoryRecorder(lambda **event: events.append(event))
+    recorder = TrajectoryRecorder(lambda event: events.append(wire.agent_event(event)))
     messages = [{"role": "user", "content": "hi"}]
     result = await session.chat(messages, [], Sampling(max_tokens=16, temperature=1.0))
     recorder.model_turn(0, result)
     turn = events[0]["model_turn"]
     assert isinstance(turn, v1.ModelTurn)
     assert turn.logprobs_mode == v1.LOGPROBS_MODE_RAW and turn.token_offset == len(fake.requests[0]["prompt"])
-    trajectory = recorder.to_proto(session.token_trajectory())
+    trajectory = wire.trajectory(recorder, session.token_trajectory())
     (span,) = trajectory.turn_spans
     assert trajectory.token_ids[span.start : span.end] == list(result.token_ids)
     assert span.logprobs_mode == v1.LOGPROBS_MODE_RAW
@@ -139,12 +141,12 @@ def test_add_backend_carries_parser_kwargs_and_logprobs_mode(tmp_path: Path) -> 
         logprobs_mode=v1.LOGPROBS_MODE_RAW,
     )
     message.chat_template_kwargs.update({"enable_thinking": False})
-    backend = backend_from_proto(message, timeout_s=1, max_retries=0)
+    backend = build_backend(settings_from_proto(message), timeout_s=1, max_retries=0)
     assert backend.info.chat_template_kwargs == {"enable_thinking": False}
     assert backend.info.logprobs_mode == "raw" and backend.info.tool_call_parser == "hermes"
-    with pytest.raises(Exception, match="unknown tool_call_parser"):
+    with pytest.raises(InvalidArgument, match=r"backend\.tool_call_parser: .*'hermes'.*got 'nope'"):
         message.tool_call_parser = "nope"
-        backend_from_proto(message, timeout_s=1, max_retries=0)
+        settings_from_proto(message)
 
     class Entry:
         healthy, in_flight, requests_total, errors_total, managed = True, 0, 0, 0, False
@@ -167,6 +169,7 @@ def test_backend_settings_take_parser_kwargs_and_logprobs_mode() -> None:
         "id": "q",
         "kind": "vllm",
         "base_url": "http://x/v1",
+        "tokenizer_path": "/models/q",
         "tool_call_parser": "kimi_k2",
         "chat_template_kwargs": {"enable_thinking": False},
         "logprobs_mode": "raw",
@@ -178,7 +181,7 @@ def test_backend_settings_take_parser_kwargs_and_logprobs_mode() -> None:
         {"enable_thinking": False},
         "raw",
     )
-    assert BackendSpec(**{**loaded.model_dump(), "api_key": ""}).tool_call_parser == "kimi_k2"
+    assert backend_info(loaded).tool_call_parser == "kimi_k2"
     with pytest.raises(ConfigError, match="tool_call_parser"):
         load_settings(None, environ={}, overrides={"llm": {"backends": [{**backend, "tool_call_parser": "x"}]}})
 

@@ -22,12 +22,13 @@ import pytest
 
 from prorl_server.agents.base import Limits, RolloutContext
 from prorl_server.agents.loop import run_tool_loop
+from prorl_server.agents.outcomes import ToolOutput
 from prorl_server.agents.recorder import TrajectoryRecorder
-from prorl_server.agents.tools import FinishTool, Tool, ToolOutput
+from prorl_server.agents.tools import FinishTool, Tool, ToolContext
 from prorl_server.llm.base import BackendInfo, Generation, Sampling, TokenBackend
 from prorl_server.llm.chat_template import ChatTokenizer
 from prorl_server.llm.hf_tokenizer import HFTokenizer
-from prorl_server.llm.router import BackendPool
+from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
 from tests.unit.model_families import FAMILIES, TEMPLATES, Family
 
@@ -37,7 +38,7 @@ class EchoTool(Tool):
     description = "Repeat the text."
     parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 
-    async def run(self, ctx: RolloutContext, arguments: dict[str, Any]) -> ToolOutput:
+    async def run(self, ctx: ToolContext, arguments: dict[str, Any]) -> ToolOutput:
         return ToolOutput(f"echo: {arguments['text']}")
 
 
@@ -77,10 +78,10 @@ USER = "What is 2 + 2? Echo 'hi' first, then call finish."
 async def run_family(family: Family, folder: Path) -> tuple[ScriptedTokenBackend, LLMSession, TrajectoryRecorder]:
     tokenizer = HFTokenizer(family.write_tokenizer(folder))
     backend = ScriptedTokenBackend(tokenizer, family)
-    pool = BackendPool(health_interval_s=0)
+    pool = BackendRouter(health_interval_s=0)
     pool.add(backend)
     session = LLMSession("job", pool)
-    recorder = TrajectoryRecorder(lambda **event: None)
+    recorder = TrajectoryRecorder(lambda event: None)
 
     async def no_sandbox() -> Any:
         raise AssertionError("no sandbox in this test")

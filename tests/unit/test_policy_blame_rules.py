@@ -9,11 +9,9 @@ import os
 
 import pytest
 
-from prorl_client import v1
-from prorl_server.agents.base import MAX_DETAILS_BYTES, EvalOutcome, FailureInfo
+from prorl_server.agents.outcomes import MAX_DETAILS_BYTES, EvalOutcome, FailureInfo, ToolOutput
 from prorl_server.agents.recorder import SPENT_RESULT_BYTES, TOOL_OUTPUT_BUDGET_BYTES, TrajectoryRecorder
 from prorl_server.agents.tool_calls import ParsedCall
-from prorl_server.agents.tools import ToolOutput
 from prorl_server.errors import SandboxBroken, SandboxLimitExceeded
 from prorl_server.sandbox.blame import Evidence, HostView, RuntimeState, Symptom, blame, process_ref, process_status
 
@@ -71,8 +69,8 @@ def call(index: int) -> ParsedCall:
 
 
 def test_a_jobs_tool_output_is_bounded_however_much_its_tools_print() -> None:
-    events: list[v1.ToolResult] = []
-    recorder = TrajectoryRecorder(lambda **kind: events.append(kind["tool_result"]))
+    events: list[ToolOutput] = []
+    recorder = TrajectoryRecorder(lambda event: events.append(event.output))  # type: ignore[union-attr]
     kept = [recorder.tool_result(0, call(i), ToolOutput("é" * 40_000 + f"end {i}")) for i in range(60)]
 
     assert [k.output for k in kept] == [e.output for e in events]  # the model sees what is recorded

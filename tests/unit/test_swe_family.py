@@ -60,7 +60,8 @@ def test_bad_instances_are_named(change: dict[str, Any], message: str) -> None:
 
 
 def test_the_image_comes_from_the_instance() -> None:
-    assert SWEHandler().image_for(INSTANCE) == INSTANCE["image"]
+    handler = SWEHandler()
+    assert handler.image_for(handler.validate(INSTANCE)) == INSTANCE["image"]
 
 
 def test_shipped_tasks_are_complete_and_hide_the_gold_patch() -> None:

@@ -1,0 +1,114 @@
+"""Runs one phase of a job: wait for its gate, run the step within what is left of
+the budget, and say how it ended.
+
+Time waiting for the slot is queue time and never counts against the budget.
+A step that raises is classified by the handler's hook for that phase; a step
+that runs out of budget is a timeout, the policy's in the run phase (the agent
+used the time) and infrastructure's in init and eval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from prorl_client import v1
+from prorl_server.agents.outcomes import FailureInfo
+from prorl_server.jobs.phases import PhaseGate
+from prorl_server.jobs.record import JobRecord
+from prorl_server.jobs.wire import PHASE_NAMES, duration
+from prorl_server.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class PhaseTimes:
+    """A job's time per phase so far: what the result's timing reports."""
+
+    queue_s: float = 0.0
+    phase_s: dict[v1.Phase, float] = field(default_factory=lambda: dict.fromkeys(PHASE_NAMES, 0.0))
+
+    @property
+    def used_s(self) -> float:
+        """What the phases used of the budget (queueing excluded)."""
+        return sum(self.phase_s.values())
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    phase: v1.Phase
+    status: v1.JobStatus
+    """SUCCEEDED when the step returned, FAILED when it raised, TIMED_OUT when the budget ran out."""
+    value: Any = None
+    """What the step returned."""
+    failure: v1.Failure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == v1.JOB_STATUS_SUCCEEDED
+
+
+class PhaseRunner:
+    def __init__(self, gates: dict[v1.Phase, PhaseGate], metrics: Metrics | None = None) -> None:
+        self._gates = gates
+        self._metrics = metrics
+
+    async def run(
+        self,
+        job: JobRecord,
+        phase: v1.Phase,
+        step: Callable[[], Awaitable[Any]],
+        on_error: Callable[[BaseException], FailureInfo],
+        *,
+        times: PhaseTimes,
+        budget_s: float,
+        priority: int = 0,
+    ) -> PhaseResult:
+        """Run `step` in `phase`; `times` is updated even when the job is cancelled meanwhile."""
+        name = PHASE_NAMES[phase]
+        waited = time.monotonic()
+        async with self._gates[phase].slot(priority):
+            queue_s = time.monotonic() - waited
+            times.queue_s += queue_s
+            if self._metrics is not None:
+                self._metrics.queue_seconds.labels(name).observe(queue_s)
+            job.phase, job.status = phase, v1.JOB_STATUS_RUNNING
+            job.start_time = job.start_time or time.time()
+            job.events.append(phase_started=v1.PhaseStarted(phase=phase, queue_wait=duration(queue_s)))
+            started = time.monotonic()
+            try:
+                async with asyncio.timeout(max(budget_s - times.used_s, 0.0)) as deadline:
+                    value = await step()
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+                kind = v1.FAILURE_KIND_POLICY if phase == v1.PHASE_RUN else v1.FAILURE_KIND_INFRASTRUCTURE
+                failure = v1.Failure(
+                    kind=kind,
+                    phase=phase,
+                    reason="budget_exceeded",
+                    message=f"the job's budget of {budget_s:g}s ran out in the {name} phase",
+                )
+                return PhaseResult(phase, v1.JOB_STATUS_TIMED_OUT, failure=failure)
+            except Exception as exc:
+                info = on_error(exc)
+                log.warning("job_phase_failed", phase=name, reason=info.reason, error=str(exc))
+                failure = v1.Failure(
+                    kind=v1.FAILURE_KIND_INFRASTRUCTURE if info.infrastructure else v1.FAILURE_KIND_POLICY,
+                    phase=phase,
+                    reason=info.reason,
+                    message=info.message,
+                )
+                return PhaseResult(phase, v1.JOB_STATUS_FAILED, failure=failure)
+            finally:
+                elapsed = time.monotonic() - started
+                times.phase_s[phase] += elapsed
+                if self._metrics is not None:
+                    self._metrics.phase_seconds.labels(name).observe(elapsed)
+            return PhaseResult(phase, v1.JOB_STATUS_SUCCEEDED, value)

@@ -1,0 +1,162 @@
+"""The one place where the server's values become the contract's messages, and back.
+
+Agents report plain values (agents/events.py, agents/outcomes.py); the job
+code turns them into `prorl.v1` messages here: events, the trajectory, the
+result's details, times and durations.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.struct_pb2 import Struct
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from prorl_client import v1
+from prorl_server.agents.events import AgentEvent, ModelTurnEvent, ToolCallEvent, ToolResultEvent, TurnSpan
+from prorl_server.agents.recorder import TrajectoryRecorder
+from prorl_server.jobs.record import JobRecord
+
+LOGPROBS_MODES = {"processed": v1.LOGPROBS_MODE_PROCESSED, "raw": v1.LOGPROBS_MODE_RAW}
+PHASE_NAMES = {v1.PHASE_INIT: "init", v1.PHASE_RUN: "run", v1.PHASE_EVAL: "eval"}
+
+
+def duration(seconds: float) -> Duration:
+    value = Duration()
+    value.FromNanoseconds(int(seconds * 1e9))
+    return value
+
+
+def seconds(value: Duration) -> float:
+    return float(value.seconds) + float(value.nanos) / 1e9
+
+
+def timestamp(seconds: float | None) -> Timestamp | None:
+    if seconds is None:
+        return None
+    value = Timestamp()
+    value.FromNanoseconds(int(seconds * 1e9))
+    return value
+
+
+def to_struct(data: dict[str, Any]) -> Struct:
+    """A JSON-like dict as a Struct; values JSON cannot hold become their text."""
+    struct = Struct()
+    struct.update(json.loads(json.dumps(data, default=str)))
+    return struct
+
+
+def status_name(status: v1.JobStatus) -> str:
+    """ "succeeded", "failed", ...: as metrics and logs name a status."""
+    return v1.JobStatus.Name(status).removeprefix("JOB_STATUS_").lower()
+
+
+def agent_event(event: AgentEvent) -> dict[str, Any]:
+    """The event as the keyword EventLog.append takes (its kind and message)."""
+    if isinstance(event, ModelTurnEvent):
+        result = event.result
+        return {
+            "model_turn": v1.ModelTurn(
+                turn=event.turn,
+                prompt_token_count=result.prompt_tokens,
+                completion_token_count=result.completion_tokens,
+                token_ids=result.token_ids,
+                logprobs=result.logprobs,
+                text=result.text,
+                finish_reason=result.finish_reason,
+                backend_id=result.backend_id,
+                latency=duration(result.latency_s),
+                policy_version=result.policy_version,
+                switched_from_backend=result.switched_from_backend,
+                prefill=duration(result.prefill_s) if result.prefill_s is not None else None,
+                decode=duration(result.decode_s) if result.decode_s is not None else None,
+                logprobs_mode=LOGPROBS_MODES.get(event.logprobs_mode, v1.LOGPROBS_MODE_UNSPECIFIED),
+                token_offset=result.token_offset,
+            )
+        }
+    if isinstance(event, ToolCallEvent):
+        call = event.call
+        return {
+            "tool_call": v1.ToolCall(
+                turn=event.turn,
+                call=v1.ToolCallSpec(id=call.id, name=call.name, arguments_json=call.arguments_json),
+            )
+        }
+    if isinstance(event, ToolResultEvent):
+        output = event.output
+        return {
+            "tool_result": v1.ToolResult(
+                turn=event.turn,
+                call_id=event.call.id,
+                name=event.call.name,
+                output=output.output,
+                exit_code=output.exit_code,
+                truncated=output.truncated,
+                duration=duration(output.duration_s),
+                error=output.error,
+            )
+        }
+    raise TypeError(f"not an agent event: {event!r}")
+
+
+def turn_span(span: TurnSpan) -> v1.TurnSpan:
+    return v1.TurnSpan(
+        turn=span.turn,
+        start=span.start,
+        end=span.end,
+        policy_version=span.policy_version,
+        logprobs_mode=LOGPROBS_MODES.get(span.logprobs_mode, v1.LOGPROBS_MODE_UNSPECIFIED),
+    )
+
+
+def message(message: dict[str, Any]) -> v1.Message:
+    calls = [
+        v1.ToolCallSpec(
+            id=str(call.get("id", "")),
+            name=str(call.get("function", {}).get("name", "")),
+            arguments_json=str(call.get("function", {}).get("arguments", "")),
+        )
+        for call in message.get("tool_calls") or []
+    ]
+    return v1.Message(
+        role=str(message.get("role", "")),
+        content=str(message.get("content") or ""),
+        tool_calls=calls,
+        tool_call_id=str(message.get("tool_call_id", "")),
+        name=str(message.get("name", "")),
+    )
+
+
+def trajectory(
+    recorder: TrajectoryRecorder, tokens: tuple[list[int], list[int], list[float]] = ([], [], [])
+) -> v1.Trajectory:
+    """The trajectory; `tokens` is (token_ids, loss_mask, logprobs) when the backend gave ids."""
+    token_ids, loss_mask, logprobs = tokens
+    return v1.Trajectory(
+        messages=[message(m) for m in recorder.messages],
+        token_ids=token_ids,
+        loss_mask=loss_mask,
+        logprobs=logprobs,
+        turn_policy_versions=recorder.policy_versions,
+        turn_spans=[turn_span(span) for span in recorder.turn_spans],
+        format_errors=recorder.format_errors,
+        num_turns=recorder.num_turns,
+    )
+
+
+def job(record: JobRecord) -> v1.Job:
+    return v1.Job(
+        job_id=record.job_id,
+        status=record.status,
+        phase=record.phase,
+        handler=record.request.handler,
+        group_id=record.request.group_id,
+        labels=dict(record.request.labels),
+        create_time=timestamp(record.create_time),
+        start_time=timestamp(record.start_time),
+        end_time=timestamp(record.end_time),
+        last_seq=record.events.last_seq,
+        result=record.result,
+    )
