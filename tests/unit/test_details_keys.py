@@ -1,0 +1,226 @@
+"""The details keys in docs/contract.md ("Result details") match what the verifiers return.
+
+The verifiers run here on fixed inputs, the code and SWE ones against a fake
+sandbox whose judging harness answers with each kind of report, so every
+verdict path is taken without Podman. What each key's table row says is
+checked: the key is listed for its family, the value has the listed JSON
+type, and a `verdict` is one of the listed values. The keys a family's
+handler adds itself around its verifier (`answer`, `gold`, `patch`, ...)
+are listed in HANDLER_KEYS, and every documented key must be one of those or
+come out of a verifier: a key in the docs that nothing produces fails too.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prorl_server.sandbox.base import JudgeResult
+from prorl_server.verifiers import math as math_verifier
+from prorl_server.verifiers.code import run_function_tests, run_stdio_tests
+from prorl_server.verifiers.stem import verify_stem
+from prorl_server.verifiers.swe import judge
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "contract.md"
+FAMILIES = ("math", "stem", "code", "swe")
+
+# Set by the handler modules (prorl_server/agents/<family>.py), not by the verifiers run here.
+HANDLER_KEYS = {
+    "math": {"verdict", "stop_reason", "answer", "gold"},
+    "stem": {"verdict", "stop_reason", "answer"},
+    "code": {"verdict", "stop_reason"},
+    "swe": {"verdict", "stop_reason", "instance_id", "patch"},
+}
+HANDLER_VERDICTS = {
+    "math": {"correct", "wrong", "no answer submitted"},
+    "stem": {"correct", "wrong", "no answer submitted"},
+    "code": {"no code submitted"},
+    "swe": {"patch_too_large"},
+}
+
+
+class Row:
+    def __init__(self, cells: list[str]) -> None:
+        self.keys = re.findall(r"`([^`]+)`", cells[0])
+        self.types = set(re.findall(r"\b(string|number|bool|list|object|null)\b", cells[1]))
+        self.values = set(re.findall(r"`([^`]+)`", cells[-1]))
+
+
+def documented() -> dict[str, dict[str, Row]]:
+    """Family -> key -> its row, from the tables under "## Result details"."""
+    text = DOC.read_text()
+    section = text.split("\n## Result details\n", 1)[1].split("\n## ", 1)[0]
+    tables: dict[str, dict[str, Row]] = {}
+    family = ""
+    for line in section.splitlines():
+        heading = re.match(r"### `?(\w+)", line)  # "### `math`", ..., "### Every family"
+        if heading:
+            family = heading.group(1).lower()
+            tables[family] = {}
+        elif family and line.startswith("| `"):
+            row = Row([cell.strip() for cell in line.strip().strip("|").split("|")])
+            for key in row.keys:
+                tables[family][key] = row
+    return tables
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "list"
+    assert isinstance(value, dict), f"{value!r} is not JSON"
+    return "object"
+
+
+class FakeSandbox:
+    """Only what the verifiers use: the judging harness, answering with a fixed report."""
+
+    def __init__(self, result: JudgeResult) -> None:
+        self.result = result
+
+    async def judge(self, mode: str, spec: Mapping[str, Any], *, timeout_s: float) -> JudgeResult:
+        return self.result
+
+
+def harness(verdict: dict[str, Any] | None, **fields: Any) -> Any:
+    return FakeSandbox(JudgeResult(verdict, output="harness log\n", **fields))
+
+
+async def math_details(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    found = [(await math_verifier.verify_math_answer("42", answer))[1] for answer in ("42", "41", "\\frac{1}{2}")]
+
+    def slow(gold: str, answer: str) -> tuple[bool, dict[str, Any]]:
+        time.sleep(0.2)
+        return True, {}
+
+    monkeypatch.setattr(math_verifier, "_verify", slow)
+    monkeypatch.setattr(math_verifier, "VERIFY_TIMEOUT_S", 0.01)
+    found.append((await math_verifier.verify_math_answer("42", "42"))[1])
+    return found
+
+
+def stem_details() -> list[dict[str, Any]]:
+    choices = ["Mars", "Earth", "Venus"]
+    return [
+        verify_stem("B", "B", choices)[1],
+        verify_stem("B", "the answer is (c)", choices)[1],
+        verify_stem("Z", "A", choices)[1],  # a gold that matches no choice
+        verify_stem("3.14159", "3.1416")[1],
+        verify_stem("The Mitochondria", "mitochondria.")[1],
+    ]
+
+
+async def code_details() -> list[dict[str, Any]]:
+    function = {"prompt": "def f(x):\n", "answer": "    return x\n", "test": "def check(c): pass\n", "entry_point": "f"}
+    reports = [
+        {"passed": True, "verdict": "pass", "reason": "check() returned normally"},
+        {"passed": False, "verdict": "fail", "reason": "check() raised AssertionError", "error": "Traceback ..."},
+        {"passed": False, "verdict": "fail", "reason": "the tests ran past 1s", "timed_out": True},
+    ]
+    found = [(await run_function_tests(harness(r), **function, timeout_s=1))[1] for r in reports]
+    found.append((await run_function_tests(harness(None, problem="killed"), **function, timeout_s=1))[1])
+    tests = [{"input": "1\n", "output": "2\n"}, {"input": "2\n", "output": "3\n"}]
+    ran = {"exit_code": 0, "timed_out": False, "truncated": False}
+    for runs in (
+        [{**ran, "stdout": "2\n"}, {**ran, "stdout": "3\n"}],
+        [{**ran, "stdout": "2\n"}, {**ran, "exit_code": None, "timed_out": True, "stdout": ""}],
+    ):
+        found.append((await run_stdio_tests(harness({"tests": runs}), "print(int(input()) + 1)", tests, 1))[1])
+    found.append((await run_stdio_tests(harness({"tests": "garbled"}), "x", tests, 1))[1])
+    return found
+
+
+async def swe_details() -> list[dict[str, Any]]:
+    f2p, p2p = ["t.py::test_bug"], ["t.py::test_a", "t.py::test_b"]
+    passing = {test: "PASSED" for test in f2p + p2p}
+    tests_ran = {"stage": "tests", "ok": True, "complete": True, "exitstatus": 0, "statuses": passing}
+    tests_ran |= {"restored": ["conftest.py"], "deleted": ["tests/conftest.py"]}
+    reports: list[dict[str, Any] | None] = [
+        tests_ran,
+        {**tests_ran, "statuses": {**passing, "t.py::test_bug": "FAILED", "t.py::test_a": "ERROR"}, "exitstatus": 1},
+        {**tests_ran, "exitstatus": 2},
+        {**tests_ran, "timed_out": True},
+        {**tests_ran, "complete": False, "runner_exit": -9, "anomalies": ["no final frame"]},
+        {**tests_ran, "anomalies": ["t.py::test_bug reported twice"]},
+        {**tests_ran, "statuses": "garbled"},
+        {"stage": "model_patch", "ok": False, "output": "error: patch failed: a.py:1"},
+        {"stage": "restore", "ok": False, "output": "error: pathspec", "restored": [], "deleted": []},
+        None,
+    ]
+    found = []
+    for report in reports:
+        verdict = await judge(
+            harness(report, problem="" if report else "the harness was killed"),
+            repo_dir="/testbed",
+            base_commit="0" * 40,
+            patch="diff --git a/a.py b/a.py\n",
+            test_patch="",
+            fail_to_pass=f2p,
+            pass_to_pass=p2p,
+            pythonpath="",
+            timeout_s=10,
+        )
+        found.append(verdict.details())
+    return found
+
+
+@pytest.fixture(scope="module")
+def tables() -> dict[str, dict[str, Row]]:
+    return documented()
+
+
+def test_every_family_has_a_table(tables: dict[str, dict[str, Row]]) -> None:
+    assert set(FAMILIES) <= set(tables), f"{DOC.name} has no details table for {set(FAMILIES) - set(tables)}"
+    assert "format_errors" in tables["every"], "format_errors (added to every result) is not documented"
+    assert set(tables["every"]["stop_reason"].values) >= {"finish", "max_turns", "context_length"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_verifier_details_match_the_contract(
+    family: str, tables: dict[str, dict[str, Row]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if family == "math":
+        produced = await math_details(monkeypatch)
+    elif family == "stem":
+        produced = stem_details()
+    elif family == "code":
+        produced = await code_details()
+    else:
+        produced = await swe_details()
+    table = tables[family]
+    wrong = []
+    seen_keys: set[str] = set()
+    seen_verdicts: set[str] = set()
+    for details in produced:
+        for key, value in details.items():
+            seen_keys.add(key)
+            row = table.get(key)
+            if row is None:
+                wrong.append(f"key {key!r} (value {value!r}) is not in the table")
+            elif json_type(value) not in row.types:
+                wrong.append(f"key {key!r}: a {json_type(value)} ({value!r}), the table says {sorted(row.types)}")
+        if "verdict" in details:
+            seen_verdicts.add(details["verdict"])
+            if "verdict" in table and details["verdict"] not in table["verdict"].values:
+                wrong.append(f"verdict {details['verdict']!r} is not among {sorted(table['verdict'].values)}")
+    nobody = set(table) - seen_keys - HANDLER_KEYS[family]
+    if nobody:
+        wrong.append(f"documented keys that neither the verifier nor the handler sets: {sorted(nobody)}")
+    if "verdict" in table:
+        listed = table["verdict"].values - seen_verdicts - HANDLER_VERDICTS[family]
+        if listed:
+            wrong.append(f"documented verdicts that nothing returns: {sorted(listed)}")
+    problems = list(dict.fromkeys(wrong))  # one line per problem, however many cases show it
+    assert not problems, f"{family}: {DOC.name} disagrees with the verifier:\n  " + "\n  ".join(problems)

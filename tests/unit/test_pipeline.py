@@ -1,0 +1,321 @@
+"""The job pipeline (jobs/pipeline.py, jobs/phase_runner.py) built by hand over the fakes:
+phase gates, a sandbox allocator over the fake provider, a router with a scripted in-process
+backend; jobs made with resolve_plan as the manager makes them. No Podman, no model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from prorl_client import v1
+from prorl_server.agents.base import AgentHandler, EvalOutcome, FailureInfo, RolloutContext, RunOutcome, TaskInstance
+from prorl_server.agents.math import MathHandler
+from prorl_server.agents.registry import HandlerRegistry
+from prorl_server.config import Settings, load_settings
+from prorl_server.errors import PolicyError
+from prorl_server.jobs.event_log import EventLog
+from prorl_server.jobs.phases import PhaseGate, phase_gates
+from prorl_server.jobs.pipeline import Pipeline
+from prorl_server.jobs.record import JobRecord
+from prorl_server.jobs.validation import resolve_plan
+from prorl_server.llm.router import BackendRouter
+from prorl_server.sandbox.allocator import SandboxAllocator
+from prorl_server.sandbox.base import LABEL_JOB
+from tests.fakes.sandbox_provider import FakeSandboxProvider
+from tests.fakes.scripted_llm import Replies, ScriptedChatBackend, ScriptedReply, tool_call_text
+from tests.helpers import assert_eventually, kinds, math_request
+
+Step = Callable[[RolloutContext[Any]], Awaitable[Any]]
+
+
+async def nothing(ctx: RolloutContext[Any]) -> None:
+    return None
+
+
+class StepsInstance(TaskInstance):
+    pass
+
+
+class StepsHandler(AgentHandler[StepsInstance, RunOutcome]):
+    """A family whose phases are whatever the test gives; init errors get its own reason."""
+
+    name = "steps"
+    instance_model = StepsInstance
+
+    def __init__(self, init: Step = nothing, run: Step | None = None) -> None:
+        self._init = init
+        self._run = run
+
+    async def init(self, ctx: RolloutContext[StepsInstance]) -> None:
+        await self._init(ctx)
+
+    async def run(self, ctx: RolloutContext[StepsInstance]) -> RunOutcome:
+        if self._run is not None:
+            await self._run(ctx)
+        return RunOutcome("finish", "done")
+
+    async def evaluate(self, ctx: RolloutContext[StepsInstance], outcome: RunOutcome) -> EvalOutcome:
+        return EvalOutcome(0.5, {"verdict": "judged", "answer": outcome.answer, "stop_reason": outcome.stop_reason})
+
+    def on_init_error(self, ctx: RolloutContext[StepsInstance], exc: BaseException) -> FailureInfo:
+        return FailureInfo(True, "steps_init_broke", f"init went wrong: {exc}")
+
+
+class Harness:
+    """A pipeline over the fakes, and the jobs it ran."""
+
+    def __init__(self, provider: FakeSandboxProvider, backend: ScriptedChatBackend, **limits: int) -> None:
+        self.provider = provider
+        self.backend = backend
+        self.settings: Settings = load_settings(None, environ={}, overrides={"jobs": {"store": False}})
+        self.gates: dict[v1.Phase, PhaseGate] = phase_gates(**{"init": 4, "run": 4, "eval": 4, **limits})
+        self.allocator = SandboxAllocator(provider, [])
+        self.router = BackendRouter(health_interval_s=0)
+        self.router.add(backend)
+        self.pipeline = Pipeline(gates=self.gates, sandboxes=self.allocator, router=self.router)
+        self._numbers = 0
+
+    def job(self, request: v1.RolloutRequest, *handlers: AgentHandler[Any, Any]) -> JobRecord:
+        """A job as JobManager.submit makes one, with the manager's `queued` event."""
+        self._numbers += 1
+        job_id = request.job_id or f"job-{self._numbers}"
+        request.job_id = job_id
+        registry = HandlerRegistry([MathHandler(), *handlers])
+        job = JobRecord(
+            job_id=job_id,
+            number=self._numbers,
+            request=request,
+            fingerprint=request.SerializeToString(deterministic=True),
+            plan=resolve_plan(request, self.settings, registry),
+            create_time=time.time(),
+            events=EventLog(job_id),
+        )
+        job.events.append(queued=v1.JobQueued(queue_position=self.pipeline.waiting))
+        return job
+
+    async def run(self, job: JobRecord) -> v1.RolloutResult:
+        job.started = True
+        await self.pipeline.execute(job)
+        assert job.result is not None and job.finished and job.events.closed
+        return job.result
+
+
+HarnessFactory = Callable[..., Harness]
+
+
+@pytest_asyncio.fixture
+async def harness(fake_provider: FakeSandboxProvider) -> AsyncIterator[HarnessFactory]:
+    made: list[Harness] = []
+
+    def make(replies: Replies = (), **limits: int) -> Harness:
+        made.append(Harness(fake_provider, ScriptedChatBackend(replies), **limits))
+        return made[-1]
+
+    yield make
+    for built in made:
+        await built.allocator.close()
+        await built.router.close()
+        assert built.allocator.busy == 0
+    assert fake_provider.busy == 0
+
+
+def steps_request(**fields: Any) -> v1.RolloutRequest:
+    request = v1.RolloutRequest(handler="steps", **fields)
+    request.instance.update({})
+    return request
+
+
+def budget(request: v1.RolloutRequest, seconds: float) -> v1.RolloutRequest:
+    request.limits.budget.FromNanoseconds(int(seconds * 1e9))
+    return request
+
+
+def nanos(value: Any) -> int:
+    result: int = value.ToNanoseconds()
+    return result
+
+
+async def test_a_succeeded_math_job_events_and_result(harness: HarnessFactory) -> None:
+    built = harness([tool_call_text("python", {"code": "print(6 * 7)"}), tool_call_text("finish", {"answer": "42"})])
+    job = built.job(math_request("What is 6 * 7?", "42", job_id="math-1"))
+
+    result = await built.run(job)
+
+    events = job.events.events()
+    assert kinds(events) == [
+        "queued",
+        "phase_started",
+        "phase_started",
+        "model_turn",
+        "tool_call",
+        "tool_result",
+        "model_turn",
+        "tool_call",
+        "tool_result",
+        "phase_started",
+        "evaluation",
+        "finished",
+    ]
+    assert [e.seq for e in events] == list(range(1, len(events) + 1)) and {e.job_id for e in events} == {"math-1"}
+    phases = [e.phase_started.phase for e in events if e.HasField("phase_started")]
+    assert phases == [v1.PHASE_INIT, v1.PHASE_RUN, v1.PHASE_EVAL]
+    assert events[5].tool_result.output == "42\n" and events[5].tool_result.name == "python"
+    evaluation = events[-2].evaluation
+    assert evaluation.reward == 1.0 and "format_errors" not in evaluation.details
+
+    assert (result.status, result.reward, result.job_id) == (v1.JOB_STATUS_SUCCEEDED, 1.0, "math-1")
+    assert not result.HasField("failure") and job.status == v1.JOB_STATUS_SUCCEEDED and job.phase == v1.PHASE_EVAL
+    details = dict(result.details)
+    assert {"verdict", "answer", "stop_reason", "format_errors", "gold"} <= set(details)
+    assert (details["verdict"], details["answer"], details["stop_reason"]) == ("correct", "42", "finish")
+    assert details["format_errors"] == 0
+    assert result.trajectory.num_turns == 2 and result.trajectory.turn_policy_versions == [0, 0]
+    assert [m.role for m in result.trajectory.messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    timing = result.timing
+    for name in ("init", "run", "eval", "llm", "tools", "sandbox_acquire", "total", "cleanup"):
+        assert timing.HasField(name) and nanos(getattr(timing, name)) > 0, name
+    assert timing.HasField("queue")
+    # One sandbox of the job's image, labelled with the job, and removed at the end.
+    (spec,) = built.provider.created
+    assert spec.image == "localhost/prorl-python:latest" and spec.labels == {LABEL_JOB: "math-1"}
+    assert built.provider.busy == 0 and built.allocator.busy == 0
+    assert built.gates[v1.PHASE_EVAL].active == 0
+
+
+async def test_an_exception_in_init_is_infrastructure_with_the_handlers_reason(harness: HarnessFactory) -> None:
+    async def broken_init(ctx: RolloutContext[Any]) -> None:
+        await ctx.open_sandbox()
+        raise RuntimeError("the disk is on fire")
+
+    built = harness()
+    result = await built.run(built.job(steps_request(), StepsHandler(init=broken_init)))
+
+    assert result.status == v1.JOB_STATUS_FAILED and result.reward == 0.0
+    failure = result.failure
+    assert (failure.kind, failure.phase, failure.reason) == (
+        v1.FAILURE_KIND_INFRASTRUCTURE,
+        v1.PHASE_INIT,
+        "steps_init_broke",
+    )
+    assert failure.message == "init went wrong: the disk is on fire"
+    assert dict(result.details) == {"format_errors": 0}  # never evaluated
+    assert built.provider.busy == 0 and len(built.provider.created) == 1  # the sandbox init opened is gone
+
+
+async def test_a_policy_error_in_run_is_the_policys_failure(harness: HarnessFactory) -> None:
+    async def misbehave(ctx: RolloutContext[Any]) -> None:
+        raise PolicyError("the agent deleted its repository", reason="agent_broke_it")
+
+    built = harness()
+    job = built.job(steps_request(), StepsHandler(run=misbehave))
+    result = await built.run(job)
+
+    assert result.status == v1.JOB_STATUS_FAILED
+    assert (result.failure.kind, result.failure.phase, result.failure.reason) == (
+        v1.FAILURE_KIND_POLICY,
+        v1.PHASE_RUN,
+        "agent_broke_it",
+    )
+    assert result.failure.message == "the agent deleted its repository"
+    assert "evaluation" not in kinds(job.events.events())
+    assert [e.phase_started.phase for e in job.events.events() if e.HasField("phase_started")] == [
+        v1.PHASE_INIT,
+        v1.PHASE_RUN,
+    ]
+
+
+async def test_the_budget_running_out_in_run_is_a_policy_timeout(harness: HarnessFactory) -> None:
+    built = harness([tool_call_text("bash", {"command": "sleep 60"})])
+    job = built.job(budget(math_request("Sleep", job_id="slow"), 1.0))
+
+    result = await built.run(job)
+
+    assert result.status == v1.JOB_STATUS_TIMED_OUT and job.status == v1.JOB_STATUS_TIMED_OUT
+    assert (result.failure.kind, result.failure.phase, result.failure.reason) == (
+        v1.FAILURE_KIND_POLICY,
+        v1.PHASE_RUN,
+        "budget_exceeded",
+    )
+    assert result.failure.message == "the job's budget of 1s ran out in the run phase"
+    # The partial trajectory: the turn that started the command.
+    assert result.trajectory.num_turns == 1 and "sleep 60" in result.trajectory.messages[2].content
+    assert dict(result.details) == {"format_errors": 0}
+    assert kinds(job.events.events())[-3:] == ["model_turn", "tool_call", "finished"]
+    assert built.provider.busy == 0  # the sleeping command went with its sandbox
+
+
+async def test_the_budget_running_out_in_init_is_an_infrastructure_timeout(harness: HarnessFactory) -> None:
+    async def stuck(ctx: RolloutContext[Any]) -> None:
+        await asyncio.Event().wait()
+
+    built = harness()
+    result = await built.run(built.job(budget(steps_request(), 0.2), StepsHandler(init=stuck)))
+
+    assert result.status == v1.JOB_STATUS_TIMED_OUT
+    assert (result.failure.kind, result.failure.phase, result.failure.reason) == (
+        v1.FAILURE_KIND_INFRASTRUCTURE,
+        v1.PHASE_INIT,
+        "budget_exceeded",
+    )
+
+
+async def test_cancel_while_running_ends_cancelled_and_removes_the_sandbox(harness: HarnessFactory) -> None:
+    built = harness([tool_call_text("bash", {"command": "sleep 60"})])
+    job = built.job(math_request("Loop", job_id="cancel-me"))
+    task = asyncio.create_task(built.run(job))
+    await assert_eventually(lambda: "tool_call" in kinds(job.events.events()), message="the command never started")
+    assert built.provider.busy == 1 and job.status == v1.JOB_STATUS_RUNNING
+
+    job.cancel_reason = "the test says stop"  # what JobManager.cancel does
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    assert job.status == v1.JOB_STATUS_CANCELLED and job.events.closed
+    result = job.result
+    assert result is not None and result.status == v1.JOB_STATUS_CANCELLED
+    assert (result.failure.reason, result.failure.message, result.failure.phase) == (
+        "cancelled",
+        "the test says stop",
+        v1.PHASE_RUN,
+    )
+    assert kinds(job.events.events())[-1] == "finished" and result.trajectory.num_turns == 1
+    assert built.provider.busy == 0 and built.allocator.busy == 0
+    assert built.gates[v1.PHASE_RUN].active == 0
+
+
+async def test_a_job_cancelled_before_it_started_never_runs_a_phase(harness: HarnessFactory) -> None:
+    built = harness()
+    job = built.job(math_request("Never", job_id="early"))
+    job.cancel_reason = "changed my mind"
+
+    with pytest.raises(asyncio.CancelledError):
+        await built.pipeline.execute(job)
+
+    assert job.status == v1.JOB_STATUS_CANCELLED and kinds(job.events.events()) == ["queued", "finished"]
+    assert job.result is not None and job.result.failure.message == "changed my mind"
+    assert built.provider.created == [] and built.backend.requests == []
+
+
+async def test_the_budget_does_not_count_time_queued_for_a_slot(harness: HarnessFactory) -> None:
+    budget_s = 0.3
+    built = harness(run=1)
+    job = built.job(budget(steps_request(), budget_s), StepsHandler())
+    run_gate = built.gates[v1.PHASE_RUN]
+
+    async with run_gate.slot():  # another job holds the only run slot
+        task = asyncio.create_task(built.run(job))
+        await assert_eventually(lambda: run_gate.queued == 1, message="the job never queued for run")
+        await asyncio.sleep(2 * budget_s)  # deliberately: queued for longer than its whole budget
+        assert not task.done()
+    result = await task
+
+    assert result.status == v1.JOB_STATUS_SUCCEEDED and result.reward == 0.5, result.failure
+    run_started = [e.phase_started for e in job.events.events() if e.HasField("phase_started")][1]
+    assert run_started.phase == v1.PHASE_RUN and nanos(run_started.queue_wait) > budget_s * 1e9
+    assert nanos(result.timing.queue) > budget_s * 1e9
