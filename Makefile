@@ -11,7 +11,7 @@ export PYTHON
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-e2e test-all demo clean-containers bench bench-sandbox bench-llm bench-load
+.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo clean-containers bench bench-sandbox bench-llm bench-load
 
 setup: setup-host setup-python images
 
@@ -49,16 +49,27 @@ lint: lint-proto
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy
 
-# Fast: unit tests and the Podman integration tests (scripted fake LLM).
+# Fast, and runs without Podman: the core (job manager, pipeline, tool loop, every
+# family, a real gRPC server) against the fake sandbox provider and scripted LLMs.
 test:
-	$(PYTEST) -m "not e2e and not slow" -q
+	$(PYTEST) -m "not podman and not e2e and not slow" -q
+
+# The same fast suite on this machine with the podman command hidden (a private
+# mount namespace): proves `make test` needs no Podman.
+test-without-podman:
+	bash scripts/without_podman.sh $(PYTEST) -m "not podman and not e2e and not slow" -q
+
+# The integration layer: real rootless Podman sandboxes, scripted fake LLM.
+test-integration:
+	$(PYTEST) -m "podman and not e2e and not slow" -q
 
 # Slow: end to end with the real embedded model, and the long integration runs.
 test-e2e:
 	$(PYTEST) -m "e2e or slow" -q
 
-# Everything CI runs: set-up, generated-code check, lint, every test.
-test-all: setup proto-check lint
+# Everything CI runs: set-up, generated-code check, lint, the fast suite without
+# Podman, then every test.
+test-all: setup proto-check lint test-without-podman
 	$(PYTEST) -q
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.

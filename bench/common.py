@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prorl_server.sandbox.base import SandboxSpec
 from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
-from prorl_server.sandbox.podman_service import PodmanService
+from prorl_server.sandbox.podman.service import PodmanService
 
 
 def percentile(samples: list[float], q: float) -> float:

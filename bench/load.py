@@ -55,7 +55,7 @@ from podman import PodmanClient
 from prorl_client import Client, v1
 from prorl_server.logging import configure_logging
 from prorl_server.sandbox.podman import LABEL_SERVER
-from prorl_server.sandbox.podman_service import PodmanService
+from prorl_server.sandbox.podman.service import PodmanService
 from tests.fakes.scripted_llm import ScriptedLLMServer, ScriptedReply, tool_call_text, turn_index, user_prompt
 
 FD_MARGIN = 8

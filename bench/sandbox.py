@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import default_spec, percentile, podman_provider, summary_ms
 from prorl_server.logging import configure_logging
-from prorl_server.sandbox.base import Sandbox
 from prorl_server.sandbox.allocator import SandboxAllocator
+from prorl_server.sandbox.base import Sandbox
 
 
 async def echo_ours(sandbox: Sandbox, n: int) -> list[float]:

@@ -33,10 +33,10 @@ from prorl_server.llm.factory import build_backend
 from prorl_server.llm.llama_cpp_backend import EMBEDDED_MODEL_NAME, LlamaCppBackend
 from prorl_server.llm.router import BackendRouter
 from prorl_server.metrics import Metrics
+from prorl_server.sandbox.allocator import SandboxAllocator
 from prorl_server.sandbox.base import LABEL_POOL, SandboxProvider, SandboxSpec
 from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
-from prorl_server.sandbox.podman_service import PodmanService
-from prorl_server.sandbox.allocator import SandboxAllocator
+from prorl_server.sandbox.podman.service import PodmanService
 from prorl_server.stats import PhaseLoad, ServerStats
 
 log = structlog.get_logger(__name__)
@@ -194,6 +194,12 @@ class ProrlServer:
             self._router.add(backend, managed=True)
         for extra in self._extra_backends:
             self._router.add(extra)
+        if not self._router.entries():
+            log.warning(
+                "no_llm_backends",
+                hint="jobs fail with llm_unavailable until AddBackend; llm.embedded.enabled is 'never' and "
+                "llm.backends is empty",
+            )
         self._router.start()
 
     async def _start_grpc(self) -> None:

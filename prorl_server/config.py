@@ -53,6 +53,7 @@ class ServerSettings(_Section):
     tls_cert_file: str | None = None
     """PEM certificate chain: serve TLS instead of plaintext (with tls_key_file)."""
     tls_key_file: str | None = None
+    """PEM private key of tls_cert_file."""
     tls_client_ca_file: str | None = None
     """PEM CA bundle: require client certificates signed by it (mutual TLS)."""
 
@@ -102,14 +103,28 @@ class JobSettings(_Section):
     retain_finished_s: float = Field(7 * 24 * 3600.0, gt=0)
     """How long the store keeps finished jobs."""
 
+    @model_validator(mode="after")
+    def _defaults_within_maxima(self) -> JobSettings:
+        """A default beyond its maximum would refuse every request that leaves the field unset."""
+        if self.default_budget_s > self.max_budget_s:
+            raise ValueError(f"default_budget_s {self.default_budget_s:g} exceeds max_budget_s {self.max_budget_s:g}")
+        if self.default_max_turns > self.max_turns_ceiling:
+            raise ValueError(
+                f"default_max_turns {self.default_max_turns} exceeds max_turns_ceiling {self.max_turns_ceiling}"
+            )
+        return self
+
 
 class WarmPoolSettings(_Section):
     image: str | None = None
     """None: sandbox.default_image."""
     size: int = Field(2, ge=0, le=256)
-    cpus: float | None = None
-    memory_mib: int | None = None
-    pids_limit: int | None = None
+    cpus: float | None = Field(None, gt=0)
+    """None: sandbox.cpus."""
+    memory_mib: int | None = Field(None, ge=16)
+    """None: sandbox.memory_mib."""
+    pids_limit: int | None = Field(None, ge=8, le=65536)
+    """None: sandbox.pids_limit."""
 
 
 class SandboxSettings(_Section):
@@ -163,6 +178,20 @@ class SandboxSettings(_Section):
 
     def image_allowed(self, image: str) -> bool:
         return any(fnmatch.fnmatchcase(image, pattern) for pattern in self.allowed_images)
+
+    @model_validator(mode="after")
+    def _within_maxima(self) -> SandboxSettings:
+        """What the server gives jobs by default (and keeps warm) must be what it would accept."""
+        specs: list[tuple[str, float | None, int | None]] = [("", self.cpus, self.memory_mib)]
+        specs += [(f"warm_pools.{i}.", pool.cpus, pool.memory_mib) for i, pool in enumerate(self.warm_pools)]
+        for prefix, cpus, memory in specs:
+            if cpus is not None and cpus > self.max_cpus:
+                raise ValueError(f"{prefix}cpus {cpus:g} exceeds max_cpus {self.max_cpus:g}")
+            if memory is not None and memory > self.max_memory_mib:
+                raise ValueError(f"{prefix}memory_mib {memory} exceeds max_memory_mib {self.max_memory_mib}")
+        if self.pids_limit > 65536:
+            raise ValueError(f"pids_limit {self.pids_limit} exceeds 65536, the most a request may ask")
+        return self
 
     @model_validator(mode="after")
     def _own_images_allowed(self) -> SandboxSettings:

@@ -22,7 +22,7 @@ from prorl_server.app import ProrlServer
 from prorl_server.config import Settings, load_settings
 from prorl_server.sandbox.base import LABEL_JOB, LABEL_MANAGED, LABEL_SERVER, SandboxSpec
 from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
-from prorl_server.sandbox.podman_service import PodmanService
+from prorl_server.sandbox.podman.service import PodmanService
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import Script, ScriptedLLMServer
 

@@ -100,3 +100,28 @@ def test_the_servers_own_images_must_be_allowed() -> None:
     pools = '[{"image": "localhost/prorl-no-python:latest"}]'
     with pytest.raises(ConfigError, match=r"warm_pools\.0\.image"):
         load_settings(None, environ={"PRORL_SANDBOX__WARM_POOLS": pools})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["jobs.default_budget_s=7200", "jobs.max_budget_s=3600"], "default_budget_s 7200 exceeds max_budget_s"),
+        (["jobs.default_max_turns=50", "jobs.max_turns_ceiling=20"], "default_max_turns 50 exceeds"),
+        (["sandbox.cpus=4", "sandbox.max_cpus=2"], "cpus 4 exceeds max_cpus 2"),
+        (["sandbox.memory_mib=4096", "sandbox.max_memory_mib=2048"], "memory_mib 4096 exceeds"),
+    ],
+)
+def test_defaults_beyond_their_maxima_are_refused_at_start(overrides: list[str], named: str) -> None:
+    """Otherwise every request leaving the field unset would be refused."""
+    with pytest.raises(ConfigError, match=named):
+        load_settings(None, environ={}, overrides=parse_assignments(overrides))
+
+
+def test_warm_pools_are_checked_like_requests(tmp_path: Path) -> None:
+    config = tmp_path / "prorl.toml"
+    config.write_text("[sandbox]\nmax_cpus = 2\n[[sandbox.warm_pools]]\ncpus = 4\n")
+    with pytest.raises(ConfigError, match=r"warm_pools\.0\.cpus 4 exceeds max_cpus 2"):
+        load_settings(config, environ={})
+    config.write_text("[[sandbox.warm_pools]]\ncpus = -1\n")
+    with pytest.raises(ConfigError, match="cpus"):
+        load_settings(config, environ={})
