@@ -85,9 +85,9 @@ class PhaseRunner:
             try:
                 async with asyncio.timeout(max(budget_s - times.used_s, 0.0)) as deadline:
                     value = await step()
-            except TimeoutError:
-                if not deadline.expired():
-                    raise
+            except TimeoutError as exc:
+                if not deadline.expired():  # the step's own timeout, not the budget's
+                    return self._failed(phase, on_error(exc), exc)
                 kind = v1.FAILURE_KIND_POLICY if phase == v1.PHASE_RUN else v1.FAILURE_KIND_INFRASTRUCTURE
                 failure = v1.Failure(
                     kind=kind,
@@ -97,18 +97,21 @@ class PhaseRunner:
                 )
                 return PhaseResult(phase, v1.JOB_STATUS_TIMED_OUT, failure=failure)
             except Exception as exc:
-                info = on_error(exc)
-                log.warning("job_phase_failed", phase=name, reason=info.reason, error=str(exc))
-                failure = v1.Failure(
-                    kind=v1.FAILURE_KIND_INFRASTRUCTURE if info.infrastructure else v1.FAILURE_KIND_POLICY,
-                    phase=phase,
-                    reason=info.reason,
-                    message=info.message,
-                )
-                return PhaseResult(phase, v1.JOB_STATUS_FAILED, failure=failure)
+                return self._failed(phase, on_error(exc), exc)
             finally:
                 elapsed = time.monotonic() - started
                 times.phase_s[phase] += elapsed
                 if self._metrics is not None:
                     self._metrics.phase_seconds.labels(name).observe(elapsed)
             return PhaseResult(phase, v1.JOB_STATUS_SUCCEEDED, value)
+
+    @staticmethod
+    def _failed(phase: v1.Phase, info: FailureInfo, exc: BaseException) -> PhaseResult:
+        log.warning("job_phase_failed", phase=PHASE_NAMES[phase], reason=info.reason, error=str(exc))
+        failure = v1.Failure(
+            kind=v1.FAILURE_KIND_INFRASTRUCTURE if info.infrastructure else v1.FAILURE_KIND_POLICY,
+            phase=phase,
+            reason=info.reason,
+            message=info.message,
+        )
+        return PhaseResult(phase, v1.JOB_STATUS_FAILED, failure=failure)

@@ -28,8 +28,8 @@ from prorl_server.jobs.uninterruptible import uninterruptible
 from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
 from prorl_server.metrics import Metrics
-from prorl_server.sandbox.base import LABEL_JOB, Sandbox, SandboxSpec
 from prorl_server.sandbox.allocator import SandboxAllocator
+from prorl_server.sandbox.base import LABEL_JOB, Sandbox, SandboxSpec
 
 log = structlog.get_logger(__name__)
 
@@ -110,6 +110,15 @@ class Pipeline:
             )
             await uninterruptible(self._finish(job, ctx, session, outcome))
             raise
+        except Exception as exc:  # a bug here or in a hook: the job still ends, and says why
+            log.exception("job_failed_internally")
+            outcome.status = v1.JOB_STATUS_FAILED
+            outcome.failure = v1.Failure(
+                kind=v1.FAILURE_KIND_INFRASTRUCTURE,
+                phase=job.phase,
+                reason="internal",
+                message=f"{type(exc).__name__}: {exc}"[:4096],
+            )
         # A Cancel that lands now finds the job cleaning up: its outcome stands.
         await uninterruptible(self._finish(job, ctx, session, outcome))
 

@@ -3,7 +3,9 @@
 
 Retried: connection errors, 5xx, 429. A 400 saying the prompt does not fit
 the model's context becomes ContextLengthExceeded (a policy outcome); any
-other 4xx fails at once as the request's fault.
+other 4xx fails at once as the request's fault. A request still unanswered
+after the backend's timeout (llm.request_timeout_s) fails at once too, as
+`llm_timeout`: waiting that long again would not help the job.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ class HTTPClient:
                 return result
         except (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError, ConnectionError) as exc:
             raise TransientError(f"{type(exc).__name__}: {exc}") from exc
+        except TimeoutError as exc:  # the whole request's time (ClientTimeout.total) ran out
+            raise LLMError(
+                f"backend {self._backend_id} did not answer within {self._timeout.total:g}s (llm.request_timeout_s)",
+                reason="llm_timeout",
+            ) from exc
 
     async def post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST JSON, retrying transient failures; LLMError once they are exhausted."""

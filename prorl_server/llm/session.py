@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from prorl_server.errors import LLMError
@@ -66,6 +66,3 @@ class LLMSession:
     def token_trajectory(self) -> tuple[list[int], list[int], list[float]]:
         """(token_ids, loss_mask, logprobs) of the whole trajectory; empty for chat backends."""
         return self._job_chat.token_trajectory()
-
-
-ChatFn = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]], Sampling], Awaitable[ChatResult]]

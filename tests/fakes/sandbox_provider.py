@@ -12,6 +12,14 @@ sandbox's workdir (`<tmp>/work`); absolute paths are host paths, so tests should
 use relative paths or `container.workdir`. The spec's cpus, memory and pids are
 recorded, not enforced; there is no network isolation either.
 
+Tasks that name absolute paths (a SWE instance's `repo_dir`) need the same path in
+every sandbox: with `fixed_workdir=True` each sandbox's workdir is the provider's
+one `workdir`, filled afresh for each new sandbox with a copy of the image's files
+(made once by its setup, so a git repository has the same commits in each). A new
+sandbox takes that path over from the previous one, whose files it replaces: fine for
+a job's sandboxes, which are used one after the other (the SWE agent's, then the
+judge's), wrong for jobs running side by side.
+
 Removal leaves nothing behind: the runtime is started as a child subreaper, so
 whatever it or the agent starts (even processes that leave their session or
 their parent) stays in its process tree; removal stops that whole tree, kills
@@ -110,11 +118,14 @@ class FakeContainer(ContainerHandle):
     """A local runtime process and its folder: `<folder>/rt.sock`, `<folder>/work`, and
     `<folder>/tmp`, its TMPDIR."""
 
-    def __init__(self, provider: FakeSandboxProvider, name: str, folder: Path, spec: SandboxSpec) -> None:
+    def __init__(
+        self, provider: FakeSandboxProvider, name: str, folder: Path, spec: SandboxSpec, workdir: Path | None = None
+    ) -> None:
         self._provider = provider
         self.name = name
         self.folder = folder
         self.spec = spec
+        self._workdir = workdir
         self.labels = {LABEL_MANAGED: "1", LABEL_SERVER: provider.instance_id, **spec.labels}
         self.process: asyncio.subprocess.Process | None = None
         self._removal: asyncio.Task[None] | None = None
@@ -125,7 +136,8 @@ class FakeContainer(ContainerHandle):
 
     @property
     def workdir(self) -> Path:
-        return self.folder / "work"
+        """`<folder>/work`, or the provider's fixed workdir (FakeSandboxProvider(fixed_workdir=True))."""
+        return self._workdir or self.folder / "work"
 
     @property
     def socket_path(self) -> Path:
@@ -180,6 +192,8 @@ class FakeContainer(ContainerHandle):
                     await asyncio.to_thread(kill_tree, process.pid)
                 await process.wait()
             await asyncio.to_thread(shutil.rmtree, self.folder, ignore_errors=True)
+            if self._provider.holds_fixed_workdir(self):
+                await asyncio.to_thread(shutil.rmtree, self.workdir, ignore_errors=True)
         finally:
             self._provider.forget(self)
 
@@ -206,6 +220,11 @@ class FakeSandboxProvider(SandboxProvider):
     `images`: None accepts any image; a mapping accepts only its images, and calls the
     image's setup (when not None) with the new sandbox's workdir before the runtime
     starts. An unknown image fails as an unbuilt one does (reason sandbox_image).
+
+    `fixed_workdir`: every sandbox works in the same folder, `workdir`, which each new
+    sandbox gets afresh with a copy of its image's files (`image_files`); see the module's
+    docstring. The provider's folders are under `root` (default: the system's temp dir)
+    and all gone after `close`.
     """
 
     def __init__(
@@ -217,6 +236,7 @@ class FakeSandboxProvider(SandboxProvider):
         python: str = sys.executable,
         root: Path | None = None,
         start_timeout_s: float = 10.0,
+        fixed_workdir: bool = False,
     ) -> None:
         self.instance_id = instance_id
         self._images = images
@@ -226,6 +246,11 @@ class FakeSandboxProvider(SandboxProvider):
         self._start_timeout_s = start_timeout_s
         self._live: dict[str, FakeContainer] = {}
         self._started = False
+        self._fixed = fixed_workdir
+        self._home: Path | None = None
+        """fixed_workdir: the provider's own folder (`workdir`, and the images' files under images/)."""
+        self._workdir_holder = ""
+        self._workdir_lock = asyncio.Lock()
         self.created: list[SandboxSpec] = []
         """Every spec a sandbox was created for, in order (images and labels as asked)."""
 
@@ -237,6 +262,41 @@ class FakeSandboxProvider(SandboxProvider):
     def containers(self) -> list[FakeContainer]:
         """The sandboxes not yet removed."""
         return list(self._live.values())
+
+    @property
+    def workdir(self) -> Path:
+        """The one workdir of every sandbox (fixed_workdir=True only): e.g. `workdir / "repo"` as
+        a SWE instance's repo_dir."""
+        if not self._fixed:
+            raise RuntimeError("each sandbox has its own workdir: FakeSandboxProvider(fixed_workdir=True) has one")
+        if self._home is None:
+            self._home = Path(tempfile.mkdtemp(prefix=f"prorl-{self.instance_id}-", dir=self._root))
+        return self._home / "workdir"
+
+    def image_files(self, image: str) -> Path:
+        """The files a sandbox of `image` starts with (fixed_workdir=True only): made by the image's
+        setup on first use, and copied into `workdir` for each new sandbox. Blocking."""
+        folder = self.workdir.parent / "images" / image.replace("/", "_").replace(":", "_")
+        if not folder.exists():
+            setup = self._images.get(image) if self._images is not None else None
+            scratch = folder.with_name(folder.name + ".new")
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            if setup is not None:
+                setup(scratch)
+            scratch.rename(folder)
+        return folder
+
+    def holds_fixed_workdir(self, container: FakeContainer) -> bool:
+        """Whether `container` is the sandbox working in the fixed workdir now."""
+        return self._fixed and self._workdir_holder == container.name
+
+    def _take_workdir(self, container: FakeContainer) -> None:
+        """Give the fixed workdir to `container`, filled with a fresh copy of its image's files."""
+        files = self.image_files(container.spec.image)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        shutil.copytree(files, self.workdir, symlinks=True)
+        self._workdir_holder = container.name
 
     async def start(self) -> None:
         self._started = True
@@ -250,12 +310,16 @@ class FakeSandboxProvider(SandboxProvider):
         self.created.append(spec)
         name = f"prorl-{self.instance_id}-{secrets.token_hex(6)}"
         folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self._root))
-        container = FakeContainer(self, name, folder, spec)
+        container = FakeContainer(self, name, folder, spec, self.workdir if self._fixed else None)
         self._live[name] = container
         try:
-            container.workdir.mkdir()
-            if setup is not None:
-                await asyncio.to_thread(setup, container.workdir)
+            if self._fixed:
+                async with self._workdir_lock:
+                    await asyncio.to_thread(self._take_workdir, container)
+            else:
+                container.workdir.mkdir()
+                if setup is not None:
+                    await asyncio.to_thread(setup, container.workdir)
             await container.start(self._python, self._start_timeout_s)
             client = await RuntimeClient.open(str(container.socket_path))
         except BaseException:
@@ -271,3 +335,6 @@ class FakeSandboxProvider(SandboxProvider):
         for container in list(self._live.values()):
             await container.remove()
         self._started = False
+        if self._home is not None:
+            await asyncio.to_thread(shutil.rmtree, self._home, ignore_errors=True)
+            self._home = None

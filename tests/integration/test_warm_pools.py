@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from prorl_client import v1
-from prorl_server.sandbox.podman import PodmanProvider
 from prorl_server.sandbox.allocator import SandboxAllocator
+from prorl_server.sandbox.podman import PodmanProvider
 from tests.conftest import instance_id, podman_options, server_containers, small_spec
 from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index
 from tests.helpers import assert_eventually, math_request

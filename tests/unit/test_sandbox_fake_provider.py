@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from prorl_server.errors import SandboxError
+from prorl_server.sandbox.allocator import SandboxAllocator
 from prorl_server.sandbox.base import LABEL_JOB, LABEL_MANAGED, LABEL_SERVER, SandboxSpec
 from prorl_server.sandbox.blame import process_ref, process_status
-from prorl_server.sandbox.allocator import SandboxAllocator
 from tests.fakes.sandbox_provider import FakeContainer, FakeSandboxProvider
 
 

@@ -138,7 +138,8 @@ async def test_the_recorder_reports_turns_calls_and_results_in_order(run_loop: R
 
 
 async def test_the_turn_limit_ends_the_run_without_an_answer(run_loop: RunLoop) -> None:
-    outcome, loop = await run_loop([tool_call_text("bash", {"command": f"echo turn {n}"}) for n in range(3)], max_turns=3)
+    replies = [tool_call_text("bash", {"command": f"echo turn {n}"}) for n in range(3)]
+    outcome, loop = await run_loop(replies, max_turns=3)
 
     assert outcome == RunOutcome("max_turns", None)
     assert len(loop.backend.requests) == 3 and loop.ctx.recorder.num_turns == 3
@@ -158,7 +159,12 @@ async def test_a_reply_without_a_tool_call_is_a_format_error_answered_with_the_h
 
     assert outcome == RunOutcome("finish", "42")
     assert loop.ctx.recorder.format_errors == 1
-    assert kinds(loop.events) == [("ModelTurnEvent", 0), ("ModelTurnEvent", 1), ("ToolCallEvent", 1), ("ToolResultEvent", 1)]
+    assert kinds(loop.events) == [
+        ("ModelTurnEvent", 0),
+        ("ModelTurnEvent", 1),
+        ("ToolCallEvent", 1),
+        ("ToolResultEvent", 1),
+    ]
     hint = loop.messages[3]
     assert loop.messages[2] == {"role": "assistant", "content": "The answer is 42."}
     assert hint["role"] == "user" and hint["content"].startswith("No tool call found.")
@@ -227,7 +233,8 @@ async def test_structured_calls_get_their_results_in_the_tool_role(run_loop: Run
 
     assert outcome == RunOutcome("finish", "42")  # a number is taken as its text
     assistant, tool = loop.messages[2], loop.messages[3]
+    arguments = '{"command": "echo structured"}'
     assert assistant["tool_calls"] == [
-        {"id": "call_a", "type": "function", "function": {"name": "bash", "arguments": '{"command": "echo structured"}'}}
+        {"id": "call_a", "type": "function", "function": {"name": "bash", "arguments": arguments}}
     ]
     assert tool == {"role": "tool", "tool_call_id": "call_a", "name": "bash", "content": "structured\n[exit code 0]"}
