@@ -7,16 +7,25 @@ client, its cgroups and its slots.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prorl_server.sandbox.handle import ContainerHandle
 
-if TYPE_CHECKING:
-    from prorl_server.sandbox.podman.provider import PodmanProvider
+
+class ContainerOwner(Protocol):
+    """What the handle asks of the provider that created the container (PodmanProvider)."""
+
+    async def remove(self, name: str) -> None: ...
+
+    async def describe(self, name: str) -> str: ...
+
+    async def limits_hit(self, name: str) -> list[str]: ...
+
+    async def writable_layer_bytes(self, name: str) -> int: ...
 
 
 class PodmanContainer(ContainerHandle):
-    def __init__(self, provider: PodmanProvider, name: str) -> None:
+    def __init__(self, provider: ContainerOwner, name: str) -> None:
         self._provider = provider
         self.name = name
 
