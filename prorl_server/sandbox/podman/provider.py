@@ -125,6 +125,22 @@ class PodmanProvider(SandboxProvider):
     async def _create(self, spec: SandboxSpec, *, runtime: bool) -> Sandbox | None:
         """The sandbox, or None when its image cannot run the runtime (no python3)."""
         name = f"prorl-{self._options.instance_id}-{secrets.token_hex(6)}"
+        container = await self._start_container(spec, name, runtime=runtime)
+        handle = PodmanContainer(self, name)
+        init_pid = int(container.attrs["State"].get("Pid") or 0)
+        if not runtime:
+            exec_runtime = ExecRuntime(
+                container,
+                run_in_thread=self.call,
+                max_output_bytes=self._options.max_output_bytes,
+                confinement=self._confinement(name, init_pid),
+            )
+            return Sandbox(exec_runtime, handle)
+        return await self._runtime_sandbox(container, handle, init_pid)
+
+    async def _start_container(self, spec: SandboxSpec, name: str, *, runtime: bool) -> Any:
+        """Create and start the container in the thread pool, its limits applied; counted
+        from now until its removal is done, and removed even if the job is cancelled meanwhile."""
         labels = {LABEL_MANAGED: "1", LABEL_SERVER: self._options.instance_id, **spec.labels}
         kwargs = container_kwargs(
             spec, name=name, labels=labels, runtime=runtime, options=self._options, staging=self._staging
@@ -158,7 +174,7 @@ class PodmanProvider(SandboxProvider):
         creation = asyncio.ensure_future(self.call(create_and_start))
         self._track(creation)
         try:
-            container = await asyncio.shield(creation)
+            return await asyncio.shield(creation)
         except asyncio.CancelledError:
             # The job was cancelled while Podman was still creating its container:
             # remove the container once it exists, or it would outlive the job.
@@ -173,16 +189,10 @@ class PodmanProvider(SandboxProvider):
                 ) from exc
             raise SandboxError(f"could not start a sandbox from {spec.image!r}: {message}") from exc
 
-        handle = PodmanContainer(self, name)
-        init_pid = int(container.attrs["State"].get("Pid") or 0)
-        if not runtime:
-            exec_runtime = ExecRuntime(
-                container,
-                run_in_thread=self.call,
-                max_output_bytes=self._options.max_output_bytes,
-                confinement=self._confinement(name, init_pid),
-            )
-            return Sandbox(exec_runtime, handle)
+    async def _runtime_sandbox(self, container: Any, handle: PodmanContainer, init_pid: int) -> Sandbox | None:
+        """The sandbox served by its in-sandbox runtime, once it answers; None (and the container
+        removed) when the image cannot run it."""
+        name = handle.name
         try:
             client = await self._connect_runtime(name, container)
         except BaseException:
