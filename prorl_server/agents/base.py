@@ -12,8 +12,10 @@ goes to that phase's hook, which classifies it.
 from __future__ import annotations
 
 import abc
+import copy
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -57,6 +59,14 @@ InstanceT = TypeVar("InstanceT", bound=TaskInstance)
 OutcomeT = TypeVar("OutcomeT", bound=RunOutcome)
 
 
+@dataclass
+class _JobSandboxes:
+    """A job's sandboxes and the time spent getting them (shared by views of a context)."""
+
+    opened: list[Sandbox] = field(default_factory=list)
+    acquire_s: float = 0.0
+
+
 class RolloutContext(Generic[InstanceT]):
     """Everything a handler may use during one job."""
 
@@ -70,16 +80,30 @@ class RolloutContext(Generic[InstanceT]):
         chat: ChatFn,
         sandbox_factory: SandboxFactory,
         recorder: TrajectoryRecorder,
+        program_chat: ChatFn | None = None,
     ) -> None:
         self.job_id = job_id
         self.instance = instance
         self.limits = limits
         self.sampling = sampling
         self.chat = chat
+        """The agent's model turns (one conversation, the job's token trajectory)."""
+        self.program_chat = program_chat
+        """An agent program's model calls through the gateway (token chains, one per history)."""
         self.recorder = recorder
         self._sandbox_factory = sandbox_factory
-        self._sandboxes: list[Sandbox] = []
-        self.sandbox_acquire_s = 0.0
+        self._sandboxes = _JobSandboxes()
+
+    def for_instance(self, instance: TaskInstance) -> RolloutContext[Any]:
+        """A view of this job for another family's phases (the command family judges with the
+        math, code or SWE family): the same sandboxes, model and recorder, another instance."""
+        view: RolloutContext[Any] = copy.copy(self)
+        view.instance = instance
+        return view
+
+    @property
+    def sandbox_acquire_s(self) -> float:
+        return self._sandboxes.acquire_s
 
     async def open_sandbox(self) -> Sandbox:
         """Start a sandbox for this job; the pipeline removes it when the job ends.
@@ -89,19 +113,19 @@ class RolloutContext(Generic[InstanceT]):
         the server's allow-list: a handler cannot pick another one here."""
         started = time.perf_counter()
         sandbox: Sandbox = await self._sandbox_factory()
-        self.sandbox_acquire_s += time.perf_counter() - started
-        self._sandboxes.append(sandbox)
+        self._sandboxes.acquire_s += time.perf_counter() - started
+        self._sandboxes.opened.append(sandbox)
         return sandbox
 
     @property
     def sandbox(self) -> Sandbox:
         """The job's first sandbox."""
-        if not self._sandboxes:
+        if not self._sandboxes.opened:
             raise InfrastructureError("no sandbox was opened in init", reason="no_sandbox")
-        return self._sandboxes[0]
+        return self._sandboxes.opened[0]
 
     async def close_sandboxes(self) -> None:
-        sandboxes, self._sandboxes = self._sandboxes, []
+        sandboxes, self._sandboxes.opened = self._sandboxes.opened, []
         for sandbox in sandboxes:
             await sandbox.close()
 

@@ -14,9 +14,11 @@ from typing import Any, Literal
 
 from prorl_server.sandbox.output import cap_text
 
-StopReason = Literal["finish", "max_turns", "context_length"]
+StopReason = Literal["finish", "max_turns", "context_length", "program_exit", "program_timeout"]
 """"finish" (the agent called finish), "max_turns", or "context_length" (the conversation
-outgrew the model's context: a policy outcome, evaluated as usual)."""
+outgrew the model's context: a policy outcome, evaluated as usual); for an agent program
+(the command family) "program_exit" (it ended by itself, whatever its exit status) or
+"program_timeout" (it ran out of its time and was killed)."""
 
 # A result's details go out in the evaluation event and in the result: each text in them
 # (log tails, a SWE patch) is cut head and tail to MAX_DETAIL_TEXT_BYTES, and all of them

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from prorl_server.agents.base import AnyHandler
 from prorl_server.agents.code import CodeHandler
+from prorl_server.agents.command import CommandHandler
 from prorl_server.agents.math import MathHandler
 from prorl_server.agents.stem import StemHandler
 from prorl_server.agents.swe import SWEHandler
@@ -35,4 +36,4 @@ class HandlerRegistry:
 
 
 def default_registry() -> HandlerRegistry:
-    return HandlerRegistry([MathHandler(), StemHandler(), CodeHandler(), SWEHandler()])
+    return HandlerRegistry([MathHandler(), StemHandler(), CodeHandler(), SWEHandler(), CommandHandler()])

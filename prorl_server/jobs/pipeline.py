@@ -20,6 +20,7 @@ from prorl_client import v1
 from prorl_server.agents.base import EvalOutcome, RolloutContext
 from prorl_server.agents.events import AgentEvent
 from prorl_server.agents.recorder import TrajectoryRecorder
+from prorl_server.gateway.chains import CallChains
 from prorl_server.jobs import wire
 from prorl_server.jobs.phase_runner import PhaseResult, PhaseRunner, PhaseTimes
 from prorl_server.jobs.phases import PhaseGate
@@ -32,6 +33,14 @@ from prorl_server.sandbox.allocator import SandboxAllocator
 from prorl_server.sandbox.base import LABEL_JOB, Sandbox, SandboxSpec
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class _Models:
+    """The job's model conversations: the agent's own turns, and an agent program's calls."""
+
+    session: LLMSession
+    chains: CallChains
 
 
 @dataclass
@@ -69,7 +78,7 @@ class Pipeline:
         """Jobs waiting to start (for an init slot)."""
         return self._init_gate.queued
 
-    def _context(self, job: JobRecord, plan: JobPlan, session: LLMSession) -> RolloutContext[Any]:
+    def _context(self, job: JobRecord, plan: JobPlan, session: LLMSession, chains: CallChains) -> RolloutContext[Any]:
         async def open_sandbox() -> Sandbox:
             spec = SandboxSpec(
                 image=plan.image or "",
@@ -83,6 +92,7 @@ class Pipeline:
         def emit(event: AgentEvent) -> None:
             job.events.append(**wire.agent_event(event))
 
+        recorder = TrajectoryRecorder(emit, self._metrics)
         return RolloutContext(
             job_id=job.job_id,
             instance=plan.instance,
@@ -90,14 +100,17 @@ class Pipeline:
             sampling=plan.sampling,
             chat=session.chat,
             sandbox_factory=open_sandbox,
-            recorder=TrajectoryRecorder(emit, self._metrics),
+            recorder=recorder,
+            program_chat=chains.chat,
         )
 
     async def execute(self, job: JobRecord) -> None:
         plan = job.plan
         assert plan is not None, "a restored job never runs again"
         session = LLMSession(job.job_id, self._router)
-        ctx = self._context(job, plan, session)
+        chains = CallChains(job.job_id, self._router)
+        ctx = self._context(job, plan, session, chains)
+        chains.on_call = ctx.recorder.model_turn
         outcome = _Outcome()
         try:
             if job.cancel_reason is not None:  # cancelled before it started to run
@@ -108,7 +121,7 @@ class Pipeline:
             outcome.failure = v1.Failure(
                 phase=job.phase, reason="cancelled", message=job.cancel_reason or "the job was cancelled"
             )
-            await uninterruptible(self._finish(job, ctx, session, outcome))
+            await uninterruptible(self._finish(job, ctx, _Models(session, chains), outcome))
             raise
         except Exception as exc:  # a bug here or in a hook: the job still ends, and says why
             log.exception("job_failed_internally")
@@ -120,7 +133,7 @@ class Pipeline:
                 message=f"{type(exc).__name__}: {exc}"[:4096],
             )
         # A Cancel that lands now finds the job cleaning up: its outcome stands.
-        await uninterruptible(self._finish(job, ctx, session, outcome))
+        await uninterruptible(self._finish(job, ctx, _Models(session, chains), outcome))
 
     async def _run_phases(self, job: JobRecord, plan: JobPlan, ctx: RolloutContext[Any], outcome: _Outcome) -> None:
         handler = plan.handler
@@ -150,14 +163,14 @@ class Pipeline:
         outcome.evaluation = value
         job.events.append(evaluation=v1.Evaluation(reward=value.reward, details=wire.to_struct(value.details)))
 
-    async def _finish(self, job: JobRecord, ctx: RolloutContext[Any], session: LLMSession, outcome: _Outcome) -> None:
+    async def _finish(self, job: JobRecord, ctx: RolloutContext[Any], models: _Models, outcome: _Outcome) -> None:
         cleanup_started = time.monotonic()
         try:
             await asyncio.shield(ctx.close_sandboxes())
         except Exception as exc:  # the job's outcome stands; the leftover is reaped by label
             log.error("sandbox_cleanup_failed", error=str(exc))
         self._router.forget(job.job_id)
-        result = self._result(job, ctx, session, outcome, cleanup_s=time.monotonic() - cleanup_started)
+        result = self._result(job, ctx, models, outcome, cleanup_s=time.monotonic() - cleanup_started)
         job.result = result
         job.status = outcome.status
         job.end_time = time.time()
@@ -174,7 +187,7 @@ class Pipeline:
 
     @staticmethod
     def _result(
-        job: JobRecord, ctx: RolloutContext[Any], session: LLMSession, outcome: _Outcome, *, cleanup_s: float
+        job: JobRecord, ctx: RolloutContext[Any], models: _Models, outcome: _Outcome, *, cleanup_s: float
     ) -> v1.RolloutResult:
         recorder = ctx.recorder
         details: dict[str, Any] = dict(outcome.evaluation.details) if outcome.evaluation else {}
@@ -187,7 +200,12 @@ class Pipeline:
             status=outcome.status,
             failure=outcome.failure,
             reward=outcome.evaluation.reward if outcome.evaluation else 0.0,
-            trajectory=wire.trajectory(recorder, session.token_trajectory()),
+            trajectory=wire.trajectory(
+                recorder,
+                models.session.token_trajectory(),
+                models.chains.token_chains(),
+                models.chains.last_conversation,
+            ),
             timing=v1.Timing(
                 queue=wire.duration(outcome.times.queue_s),
                 init=wire.duration(phase_s[v1.PHASE_INIT]),

@@ -8,6 +8,7 @@ result's details, times and durations.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf.duration_pb2 import Duration
@@ -17,6 +18,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from prorl_client import v1
 from prorl_server.agents.events import AgentEvent, ModelTurnEvent, ToolCallEvent, ToolResultEvent, TurnSpan
 from prorl_server.agents.recorder import TrajectoryRecorder
+from prorl_server.gateway.chains import TokenChain
 from prorl_server.jobs.record import JobRecord
 
 LOGPROBS_MODES = {"processed": v1.LOGPROBS_MODE_PROCESSED, "raw": v1.LOGPROBS_MODE_RAW}
@@ -130,19 +132,52 @@ def message(message: dict[str, Any]) -> v1.Message:
 
 
 def trajectory(
-    recorder: TrajectoryRecorder, tokens: tuple[list[int], list[int], list[float]] = ([], [], [])
+    recorder: TrajectoryRecorder,
+    tokens: tuple[list[int], list[int], list[float]] = ([], [], []),
+    chains: Sequence[TokenChain] = (),
+    program_messages: Sequence[dict[str, Any]] = (),
 ) -> v1.Trajectory:
-    """The trajectory; `tokens` is (token_ids, loss_mask, logprobs) when the backend gave ids."""
+    """The trajectory; `tokens` is (token_ids, loss_mask, logprobs) when the backend gave ids.
+    An agent program's calls come as `chains`; the top-level token fields then hold the last, and
+    the messages are its last call's (`program_messages`) when the recorder kept none."""
     token_ids, loss_mask, logprobs = tokens
+    spans = [turn_span(span) for span in recorder.turn_spans]
+    if chains:
+        last = chains[-1]
+        token_ids, loss_mask, logprobs = last.token_ids, last.loss_mask, last.logprobs
+        spans = chain_spans(last, recorder.turn_spans)
     return v1.Trajectory(
-        messages=[message(m) for m in recorder.messages],
+        messages=[message(m) for m in (recorder.messages or program_messages)],
         token_ids=token_ids,
         loss_mask=loss_mask,
         logprobs=logprobs,
         turn_policy_versions=recorder.policy_versions,
-        turn_spans=[turn_span(span) for span in recorder.turn_spans],
+        turn_spans=spans,
         format_errors=recorder.format_errors,
         num_turns=recorder.num_turns,
+        chains=[token_chain(chain, recorder.turn_spans) for chain in chains],
+    )
+
+
+def chain_spans(chain: TokenChain, recorded: Sequence[TurnSpan]) -> list[v1.TurnSpan]:
+    """Where each call merged into the chain sampled, with its policy version and logprobs mode."""
+    by_call = {span.turn: span for span in recorded}
+    spans = []
+    for call, (start, end) in zip(chain.calls, chain.turn_spans, strict=False):
+        known = by_call.get(call)
+        version = known.policy_version if known else (chain.policy_versions[end - 1] if end else 0)
+        spans.append(turn_span(TurnSpan(call, start, end, version, known.logprobs_mode if known else "")))
+    return spans
+
+
+def token_chain(chain: TokenChain, recorded: Sequence[TurnSpan]) -> v1.TokenChain:
+    return v1.TokenChain(
+        token_ids=chain.token_ids,
+        loss_mask=chain.loss_mask,
+        logprobs=chain.logprobs,
+        policy_versions=chain.policy_versions,
+        calls=chain.calls,
+        turn_spans=chain_spans(chain, recorded),
     )
 
 

@@ -137,6 +137,14 @@ class ChatBackend(LLMBackend):
 
     @abc.abstractmethod
     async def chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        sampling: Sampling,
+        *,
+        native_tools: bool = False,
     ) -> ChatResult:
-        """One completion. Raises LLMError on a failure that is not the policy's."""
+        """One completion. Raises LLMError on a failure that is not the policy's.
+
+        `native_tools`: send `tools` in the request even where the backend does not by default
+        (an agent program on the model gateway expects tool calls from the API)."""

@@ -25,8 +25,10 @@ from prorl_server.llm.token_conversation import TokenConversation
 class JobChat:
     """The per-job adapter from any backend to a chat turn; holds the job's token trajectory."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, native_tools: bool = False) -> None:
+        """`native_tools`: chat backends get the tools in the request (see ChatBackend.chat)."""
         self._conversation: TokenConversation | None = None
+        self._native_tools = native_tools
 
     async def chat(
         self,
@@ -37,7 +39,10 @@ class JobChat:
     ) -> ChatResult:
         """One turn on `backend`. Raises LLMError on a failure that is not the policy's."""
         if isinstance(backend, ChatBackend):
-            result = await backend.chat(messages, tools, sampling)
+            if self._native_tools:
+                result = await backend.chat(messages, tools, sampling, native_tools=True)
+            else:  # chat backends written before the keyword existed keep working
+                result = await backend.chat(messages, tools, sampling)
         elif isinstance(backend, TokenBackend):
             result = await self._token_turn(backend, messages, tools, sampling)
         else:

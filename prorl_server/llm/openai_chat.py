@@ -34,7 +34,11 @@ class OpenAIChatBackend(ChatBackend):
         self._send_tools = send_tools
 
     def _payload(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        sampling: Sampling,
+        native_tools: bool = False,
     ) -> dict[str, Any]:
         payload: dict[str, Any] = {
             "model": sampling.model or self.info.model or "default",
@@ -43,7 +47,7 @@ class OpenAIChatBackend(ChatBackend):
             "temperature": sampling.temperature,
         }
         payload.update(sampling.optional_fields())
-        if tools and self._send_tools:
+        if tools and (self._send_tools or native_tools):
             payload["tools"] = list(tools)
         kwargs = {**self.info.chat_template_kwargs, **sampling.chat_template_kwargs}
         if kwargs:  # vLLM's and SGLang's chat endpoints take them; sent only when set
@@ -51,10 +55,15 @@ class OpenAIChatBackend(ChatBackend):
         return payload
 
     async def chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        sampling: Sampling,
+        *,
+        native_tools: bool = False,
     ) -> ChatResult:
         started = time.perf_counter()
-        body = await self._http.post("/chat/completions", self._payload(messages, tools, sampling))
+        body = await self._http.post("/chat/completions", self._payload(messages, tools, sampling, native_tools))
         return self._parse(body, time.perf_counter() - started)
 
     def _parse(self, body: dict[str, Any], latency_s: float) -> ChatResult:

@@ -10,6 +10,7 @@ everything above the providers sees the same methods and the same lifecycle:
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,6 +32,7 @@ from prorl_server.sandbox.runtime.protocol import (
     ReadFileRequest,
     WriteFileRequest,
 )
+from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler
 
 
 def judge_result(response: JudgeResponse) -> JudgeResult:
@@ -72,6 +74,7 @@ class Sandbox:
         self._runtime = runtime
         self._container = container
         self._close_callbacks: list[Callable[[], None]] = []
+        self._gateways: list[GatewayHandle] = []
         self._closed = False
 
     @property
@@ -159,11 +162,30 @@ class Sandbox:
         self._check_open()
         return judge_result(await self._runtime.judge(JudgeRequest(mode, spec, timeout_s)))
 
+    async def open_gateway(self, handler: GatewayHandler, *, port: int = 0) -> GatewayHandle:
+        """Serve HTTP to the programs inside at http://127.0.0.1:<port> (the handle's `port`;
+        0: any free port), the sandbox's own loopback: each request goes to `handler`
+        (runtime/relay.py) and its response back, streamed bodies piece by piece. The
+        sandbox keeps no network. Closed with the sandbox, or by the handle's `close()`.
+        SandboxError(reason="gateway_needs_runtime") in an image without python3."""
+        self._check_open()
+        gateway = await self._runtime.open_gateway(handler, port=port)
+        if self._closed:  # closed meanwhile
+            await gateway.close()
+            raise SandboxError("the sandbox is closed")
+        self._gateways = [*(item for item in self._gateways if not item.closed), gateway]
+        return gateway
+
     async def close(self) -> None:
-        """Stop the runtime and remove the container; the close callbacks run first."""
+        """Close the gateways, stop the runtime and remove the container; the close callbacks
+        run before the runtime stops."""
         if self._closed:
             return
         self._closed = True
+        gateways, self._gateways = self._gateways, []
+        for gateway in gateways:
+            with contextlib.suppress(Exception):
+                await gateway.close()
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:
             callback()

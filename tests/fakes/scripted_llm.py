@@ -205,7 +205,12 @@ class ScriptedChatBackend(ChatBackend):
         self.closed = False
 
     async def chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        sampling: Sampling,
+        *,
+        native_tools: bool = False,
     ) -> ChatResult:
         request = ChatRequest(copy.deepcopy(list(messages)), copy.deepcopy(list(tools)), sampling)
         self.requests.append(request)

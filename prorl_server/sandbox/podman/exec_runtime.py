@@ -47,6 +47,7 @@ from prorl_server.sandbox.runtime.protocol import (
     WriteFileRequest,
     WriteFileResponse,
 )
+from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler
 
 # Exit codes of coreutils `timeout`: 124 after the signal, 137 after -k's KILL.
 TIMEOUT_EXIT_CODES = (124, 137)
@@ -215,6 +216,15 @@ class ExecRuntime(SandboxRuntime):
             f"judging ({request.mode}) needs the in-sandbox runtime, and this sandbox's image has no python3: "
             "judge in an image with python3",
             reason="judge_needs_runtime",
+        )
+
+    async def open_gateway(self, handler: GatewayHandler, *, port: int = 0) -> GatewayHandle:
+        """The gateway is the in-sandbox runtime's listener: without it there is nothing
+        inside to listen, and the sandbox has no network to reach the server by."""
+        raise SandboxError(
+            "an HTTP gateway into the sandbox needs the in-sandbox runtime, and this sandbox's image has no "
+            "python3: use an image with python3",
+            reason="gateway_needs_runtime",
         )
 
     async def close(self) -> None:

@@ -30,6 +30,7 @@ from prorl_server.sandbox.runtime.protocol import (
     WriteFileRequest,
     WriteFileResponse,
 )
+from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler
 
 RuntimeMode = Literal["runtime", "exec"]
 
@@ -68,6 +69,13 @@ class SandboxRuntime(abc.ABC):
 
     @abc.abstractmethod
     async def judge(self, request: JudgeRequest) -> JudgeResponse: ...
+
+    @abc.abstractmethod
+    async def open_gateway(self, handler: GatewayHandler, *, port: int = 0) -> GatewayHandle:
+        """Listen for HTTP on the sandbox's own loopback (127.0.0.1:port; 0: any free port) and
+        relay each request to `handler` (runtime/relay.py), its response back as it is
+        produced: a program inside reaches the server while the sandbox has no network.
+        The handle names the port bound; closing the runtime closes its gateways."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +43,8 @@ from prorl_server.sandbox.runtime.protocol import (
     WriteFileRequest,
     WriteFileResponse,
 )
+from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler
+from prorl_server.sandbox.runtime.socket_gateway import SocketGateway
 
 # Seconds the server waits beyond a call's own timeout before declaring the runtime lost.
 CALL_GRACE_S = 15.0
@@ -80,6 +83,7 @@ class SocketRuntime(SandboxRuntime):
         self._max_output_bytes = max_output_bytes
         self._inspector = inspector
         self._closed = False
+        self._gateways: list[SocketGateway] = []
 
     async def bash(self, request: BashRequest) -> BashResponse:
         reply = await self._call(request.op, request.timeout_s, {"command": request.command})
@@ -135,10 +139,25 @@ class SocketRuntime(SandboxRuntime):
             duration_s=float(reply.get("duration_s") or 0.0),
         )
 
+    async def open_gateway(self, handler: GatewayHandler, *, port: int = 0) -> GatewayHandle:
+        """On a connection of its own to the runtime (runtime/socket_gateway.py)."""
+        if self._closed:
+            raise SandboxError("the sandbox is closed")
+        gateway = await SocketGateway.open(self._client.socket_path, handler, port=port)
+        if self._closed:  # closed meanwhile
+            await gateway.close()
+            raise SandboxError("the sandbox is closed")
+        self._gateways = [*(item for item in self._gateways if not item.closed), gateway]
+        return gateway
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        gateways, self._gateways = self._gateways, []
+        for gateway in gateways:
+            with contextlib.suppress(Exception):
+                await gateway.close()
         await self._client.close()
 
     # --- calls and blame --------------------------------------------------------------------

@@ -173,7 +173,7 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallSpec, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("messages", "token_ids", "loss_mask", "logprobs", "turn_policy_versions", "num_turns", "turn_spans", "format_errors")
+    __slots__ = ("messages", "token_ids", "loss_mask", "logprobs", "turn_policy_versions", "num_turns", "turn_spans", "format_errors", "chains")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class Trajectory(_message.Message):
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     TURN_SPANS_FIELD_NUMBER: _ClassVar[int]
     FORMAT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
@@ -190,7 +191,24 @@ class Trajectory(_message.Message):
     num_turns: int
     turn_spans: _containers.RepeatedCompositeFieldContainer[TurnSpan]
     format_errors: int
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., turn_policy_versions: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ..., turn_spans: _Optional[_Iterable[_Union[TurnSpan, _Mapping]]] = ..., format_errors: _Optional[int] = ...) -> None: ...
+    chains: _containers.RepeatedCompositeFieldContainer[TokenChain]
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., turn_policy_versions: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ..., turn_spans: _Optional[_Iterable[_Union[TurnSpan, _Mapping]]] = ..., format_errors: _Optional[int] = ..., chains: _Optional[_Iterable[_Union[TokenChain, _Mapping]]] = ...) -> None: ...
+
+class TokenChain(_message.Message):
+    __slots__ = ("token_ids", "loss_mask", "logprobs", "policy_versions", "calls", "turn_spans")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    TURN_SPANS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    calls: _containers.RepeatedScalarFieldContainer[int]
+    turn_spans: _containers.RepeatedCompositeFieldContainer[TurnSpan]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., calls: _Optional[_Iterable[int]] = ..., turn_spans: _Optional[_Iterable[_Union[TurnSpan, _Mapping]]] = ...) -> None: ...
 
 class TurnSpan(_message.Message):
     __slots__ = ("turn", "start", "end", "policy_version", "logprobs_mode")

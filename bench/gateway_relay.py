@@ -1,0 +1,174 @@
+"""Gateway relay benchmark: what relaying an HTTP call through the in-sandbox runtime costs.
+
+A small JSON POST (about 200 bytes each way) is timed by the same client code
+(http.client, stdlib) in three setups, p50/p95 over --calls calls after a warm-up:
+- direct: a client on the host to an aiohttp server on the host's loopback (no relay);
+- gateway: a client inside the sandbox to the gateway at 127.0.0.1, answered by a
+  handler in this process (runtime -> Unix socket -> SocketGateway -> handler);
+- gateway+upstream: the same, the handler forwarding the call to the aiohttp server
+  (what a model gateway does).
+Each is run with one kept-alive connection and with a new connection per call. The
+relay's overhead is the gateway figure minus the direct one.
+
+Usage: python bench/gateway_relay.py [--provider fake|podman] [--calls N]
+(fake: the real runtime as a host process, tests/fakes/sandbox_provider.py; podman: a
+rootless container with network none, needs `make images`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aiohttp import ClientSession, web
+
+from bench.common import default_spec, percentile, podman_provider
+from prorl_server.sandbox.base import Sandbox, SandboxProvider
+from prorl_server.sandbox.runtime.relay import HttpRequest, HttpResponse
+
+REPLY = json.dumps({"id": "r-1", "object": "echo", "choices": [{"index": 0, "text": "x" * 120}]}).encode()
+
+CLIENT = """
+import http.client, json, time
+def run(port, calls, warmup, keep_alive):
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * 120}]})
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer k"}
+    samples = []
+    connection = None
+    for index in range(warmup + calls):
+        started = time.perf_counter()
+        if connection is None:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection.request("POST", "/v1/echo", body=body, headers=headers)
+        response = connection.getresponse()
+        data = response.read()
+        if not keep_alive:
+            connection.close()
+            connection = None
+        elapsed = time.perf_counter() - started
+        assert response.status == 200 and len(data) > 100, (response.status, data)
+        if index >= warmup:
+            samples.append(elapsed)
+    return samples
+print(json.dumps({"keep": run(PORT, CALLS, WARMUP, True), "fresh": run(PORT, CALLS, WARMUP, False)}))
+"""
+
+
+def client_code(port: int, calls: int, warmup: int) -> str:
+    return f"PORT = {port}\nCALLS = {calls}\nWARMUP = {warmup}\n{CLIENT}"
+
+
+async def on_host(port: int, calls: int, warmup: int) -> dict[str, list[float]]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", client_code(port, calls, warmup), stdout=asyncio.subprocess.PIPE
+    )
+    output, _ = await process.communicate()
+    assert process.returncode == 0, output
+    samples: dict[str, list[float]] = json.loads(output)
+    return samples
+
+
+async def in_sandbox(sandbox: Sandbox, port: int, calls: int, warmup: int) -> dict[str, list[float]]:
+    result = await sandbox.python(client_code(port, calls, warmup), timeout_s=600)
+    assert not result.is_error, result.output
+    samples: dict[str, list[float]] = json.loads(result.output)
+    return samples
+
+
+@contextlib.asynccontextmanager
+async def upstream() -> AsyncIterator[int]:
+    """An aiohttp server on the host's loopback answering REPLY; yields its port."""
+
+    async def echo(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=REPLY, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/echo", echo)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield int(runner.addresses[0][1])
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def provider_of(kind: str) -> AsyncIterator[SandboxProvider]:
+    if kind == "podman":
+        async with podman_provider(threads=4) as provider:
+            yield provider
+        return
+    from tests.fakes.sandbox_provider import FakeSandboxProvider
+
+    fake = FakeSandboxProvider(instance_id="bench-gateway")
+    await fake.start()
+    try:
+        yield fake
+    finally:
+        await fake.close()
+
+
+def line(label: str, samples: list[float]) -> str:
+    return (
+        f"  {label:<34} p50 {percentile(samples, 50) * 1e3:7.3f} ms   p95 {percentile(samples, 95) * 1e3:7.3f} ms"
+        f"   (n={len(samples)})"
+    )
+
+
+async def main(args: argparse.Namespace) -> None:
+    async with upstream() as upstream_port, provider_of(args.provider) as provider, ClientSession() as session:
+
+        async def local(request: HttpRequest) -> HttpResponse:
+            return HttpResponse(200, {"content-type": "application/json"}, REPLY)
+
+        async def forward(request: HttpRequest) -> HttpResponse:
+            headers = {"content-type": request.headers.get("content-type", "application/json")}
+            async with session.post(
+                f"http://127.0.0.1:{upstream_port}{request.path}", data=request.body, headers=headers
+            ) as reply:
+                body = await reply.read()
+                return HttpResponse(reply.status, {"content-type": reply.content_type}, body)
+
+        sandbox = await provider.create(default_spec() if args.provider == "podman" else default_spec(image="fake"))
+        try:
+            results = {"direct (host -> aiohttp)": await on_host(upstream_port, args.calls, args.warmup)}
+            for label, handler in (("gateway (handler in-process)", local), ("gateway -> aiohttp upstream", forward)):
+                gateway = await sandbox.open_gateway(handler)
+                hosts = getattr(gateway, "hosts", ["127.0.0.1"])
+                try:
+                    results[label] = await in_sandbox(sandbox, gateway.port, args.calls, args.warmup)
+                finally:
+                    await gateway.close()
+        finally:
+            await sandbox.close()
+    print(
+        f"gateway relay, provider={args.provider}, {args.calls} calls each (+{args.warmup} warm-up); "
+        f"the gateway listened on {', '.join(hosts)}"
+    )
+    for mode, title in (("keep", "one kept-alive connection"), ("fresh", "a new connection per call")):
+        print(f"{title}:")
+        for label, samples in results.items():
+            print(line(label, samples[mode]))
+        direct, relayed = results["direct (host -> aiohttp)"][mode], results["gateway (handler in-process)"][mode]
+        print(
+            f"  relay overhead (p50): {(percentile(relayed, 50) - percentile(direct, 50)) * 1e3:.3f} ms"
+            f"   (p95): {(percentile(relayed, 95) - percentile(direct, 95)) * 1e3:.3f} ms"
+        )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--provider", choices=("fake", "podman"), default="fake")
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20)
+    asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,206 @@
+"""Command: an existing agent program, unmodified, judged by one of the built-in families.
+
+The instance names the program and how to judge what it produces:
+
+    {"program": {"argv": [...], "env": {...}, "cwd": "/testbed", "files": {path: text},
+                 "timeout_s": 600},
+     "verifier": "math" | "stem" | "code" | "swe",
+     "task": {... an instance of that family ...},
+     "submission": "last_line" | "stdout" | "file" | "git_diff",
+     "submission_path": "/tmp/answer.txt"}
+
+The program runs in the job's sandbox (the task's image for SWE) with the
+job's model gateway on the sandbox's own loopback: OPENAI_BASE_URL,
+OPENAI_API_KEY, ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY point at it (the key
+is the job's and dies with it), PRORL_TASK holds the task as the family's own
+agent would be prompted and PRORL_TASK_FILE names a file with the same text.
+The sandbox keeps no network. Every model call goes through the job's LLM
+session (routing, pause/resume, policy versions, exact tokens as chains).
+
+When it ends (or runs out of its time), its submission is collected: the
+last non-empty line of its stdout, all of it, a file, or the repository's
+`git diff` against base_commit (SWE: what the SWE family always judges); the
+family then evaluates it exactly as for its own agent, in a fresh sandbox.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, PrivateAttr, StrictStr, field_validator, model_validator
+
+from prorl_server.agents.base import AgentHandler, EvalOutcome, RolloutContext, RunOutcome, TaskInstance
+from prorl_server.agents.code import CodeHandler
+from prorl_server.agents.fields import Seconds, Text
+from prorl_server.agents.loop import ToolLoopHandler
+from prorl_server.agents.math import MathHandler
+from prorl_server.agents.outcomes import StopReason
+from prorl_server.agents.stem import StemHandler
+from prorl_server.agents.swe import SWEHandler
+from prorl_server.errors import InfrastructureError, InvalidArgument
+from prorl_server.gateway.app import ModelGateway
+from prorl_server.verifiers.harness import LOG_TAIL_CHARS
+
+FAMILIES: dict[str, ToolLoopHandler[Any, Any]] = {
+    "math": MathHandler(),
+    "stem": StemHandler(),
+    "code": CodeHandler(),
+    "swe": SWEHandler(),
+}
+MAX_SUBMISSION_BYTES = 1 << 20
+DEFAULT_PROGRAM_TIMEOUT_S = 1800.0
+# Shells report a command that could not be found or run with these statuses.
+NOT_RUNNABLE = (126, 127)
+EnvName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
+
+class Program(TaskInstance):
+    argv: list[Text] = Field(min_length=1)
+    env: dict[EnvName, StrictStr] = {}
+    cwd: StrictStr | None = None
+    """Absolute; default: the sandbox's working directory (SWE: the repository)."""
+    files: dict[StrictStr, StrictStr] = {}
+    """Written (as UTF-8 text) before the program starts: e.g. the agent's own script."""
+    timeout_s: Seconds = Field(DEFAULT_PROGRAM_TIMEOUT_S, gt=0, le=24 * 3600)
+
+    @field_validator("cwd")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError("must be an absolute path")
+        return value
+
+
+class CommandTask(TaskInstance):
+    program: Program
+    verifier: Literal["math", "stem", "code", "swe"]
+    task: dict[str, Any]
+    """An instance of the verifier's family, checked as that family checks it."""
+    submission: Literal["last_line", "stdout", "file", "git_diff"] = "last_line"
+    submission_path: StrictStr | None = None
+    _judged: TaskInstance = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CommandTask:
+        try:
+            self._judged = FAMILIES[self.verifier].validate(self.task)
+        except InvalidArgument as exc:
+            raise ValueError(f"task: {exc.message}") from None
+        if self.submission == "file" and not self.submission_path:
+            raise ValueError("submission 'file' needs submission_path")
+        if (self.submission == "git_diff") != (self.verifier == "swe"):
+            raise ValueError("the swe verifier judges the repository's diff (submission 'git_diff'), and only it")
+        return self
+
+    @property
+    def judged(self) -> TaskInstance:
+        """`task`, as its family's model."""
+        return self._judged
+
+
+@dataclass(frozen=True)
+class ProgramOutcome(RunOutcome):
+    exit_code: int | None = None
+    log_tail: str = ""
+    """What the program wrote on stderr (its stdout is the submission's source): for people."""
+    judged: RunOutcome = field(default_factory=lambda: RunOutcome("program_exit"))
+    """What the verifier family judges (for SWE, with the repository's diff)."""
+
+
+class CommandHandler(AgentHandler[CommandTask, ProgramOutcome]):
+    name = "command"
+    instance_model = CommandTask
+
+    def image_for(self, instance: CommandTask) -> str | None:
+        return FAMILIES[instance.verifier].image_for(instance.judged)
+
+    async def init(self, ctx: RolloutContext[CommandTask]) -> None:
+        family = FAMILIES[ctx.instance.verifier]
+        await family.init(ctx.for_instance(ctx.instance.judged))  # the sandbox (SWE: checked at base_commit)
+
+    async def run(self, ctx: RolloutContext[CommandTask]) -> ProgramOutcome:
+        instance, sandbox = ctx.instance, ctx.sandbox
+        if ctx.program_chat is None:
+            raise InfrastructureError("this job has no model gateway", reason="no_gateway")
+        key = secrets.token_urlsafe(24)
+        folder = await self._scratch_folder(ctx)
+        gateway = await sandbox.open_gateway(ModelGateway(ctx.program_chat, default_sampling=ctx.sampling, api_key=key))
+        try:
+            family = FAMILIES[instance.verifier]
+            task_text = family.user_prompt(instance.judged)
+            await sandbox.write_file(f"{folder}/task.txt", task_text.encode())
+            for path, text in instance.program.files.items():
+                await sandbox.write_file(path, text.encode())
+            base = f"http://127.0.0.1:{gateway.port}"
+            env = {
+                "OPENAI_BASE_URL": f"{base}/v1",
+                "OPENAI_API_KEY": key,
+                "ANTHROPIC_BASE_URL": base,
+                "ANTHROPIC_API_KEY": key,
+                "PRORL_TASK": task_text,
+                "PRORL_TASK_FILE": f"{folder}/task.txt",
+                **instance.program.env,
+            }
+            command = self._command(instance, env, stdout=f"{folder}/stdout")
+            result = await sandbox.bash(command, timeout_s=float(instance.program.timeout_s))
+        finally:
+            await gateway.close()
+        if result.exit_code in NOT_RUNNABLE and not ctx.recorder.num_turns:
+            raise InfrastructureError(
+                f"the program {instance.program.argv[0]!r} could not be run (exit {result.exit_code}): "
+                f"{result.output[-500:]}",
+                reason="program_not_runnable",
+            )
+        stop: StopReason = "program_timeout" if result.timed_out else "program_exit"
+        answer = await self._submission(ctx, f"{folder}/stdout") if instance.submission != "git_diff" else None
+        judged = RunOutcome(stop, answer=answer)
+        if instance.verifier == "swe":  # the repository's diff, as the SWE family takes it
+            judged = await FAMILIES["swe"].submission(ctx.for_instance(instance.judged), judged)
+        return ProgramOutcome(stop, judged.answer, exit_code=result.exit_code, log_tail=result.output, judged=judged)
+
+    @staticmethod
+    async def _scratch_folder(ctx: RolloutContext[CommandTask]) -> str:
+        """A private folder for the task text and the program's stdout (never in the repository)."""
+        result = await ctx.sandbox.bash("mktemp -d", timeout_s=30)
+        folder = result.output.strip().splitlines()[-1] if result.output.strip() else ""
+        if result.exit_code != 0 or not folder.startswith("/"):
+            raise InfrastructureError(f"cannot make a scratch folder in the sandbox: {result.output[-300:]}")
+        return folder
+
+    @staticmethod
+    def _command(instance: CommandTask, env: dict[str, str], *, stdout: str) -> str:
+        program = instance.program
+        assignments = " ".join(f"{name}={shlex.quote(value)}" for name, value in env.items())
+        argv = " ".join(shlex.quote(arg) for arg in program.argv)
+        cd = f"cd {shlex.quote(program.cwd)} && " if program.cwd else ""
+        return f"{cd}env {assignments} {argv} </dev/null >{shlex.quote(stdout)}"
+
+    async def _submission(self, ctx: RolloutContext[CommandTask], stdout: str) -> str | None:
+        instance = ctx.instance
+        path = instance.submission_path if instance.submission == "file" else stdout
+        assert path is not None
+        try:
+            data = await ctx.sandbox.read_file(path, max_bytes=MAX_SUBMISSION_BYTES)
+        except Exception:  # nothing written: nothing submitted
+            return None
+        text = data.decode(errors="replace")
+        if instance.submission == "last_line":
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            return lines[-1] if lines else None
+        return text.strip() or None
+
+    async def evaluate(self, ctx: RolloutContext[CommandTask], outcome: ProgramOutcome) -> EvalOutcome:
+        instance = ctx.instance
+        family = FAMILIES[instance.verifier]
+        evaluation = await family.evaluate(ctx.for_instance(instance.judged), outcome.judged)
+        details = {
+            **evaluation.details,
+            "verifier": instance.verifier,
+            "calls": ctx.recorder.num_turns,
+            "exit_code": outcome.exit_code,
+            "program_log_tail": outcome.log_tail[-LOG_TAIL_CHARS:],
+        }
+        return EvalOutcome(evaluation.reward, details)

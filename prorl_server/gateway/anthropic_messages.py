@@ -1,0 +1,341 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`, `GET /v1/models`).
+
+Supported: `system` (a string or text blocks, joined with newlines); `messages` with text,
+tool_use (assistant) and tool_result (user) blocks: a tool_use is an assistant `tool_calls`
+entry, each tool_result a `tool` message (its text: a string or text blocks; `is_error` is not
+marked), text blocks after them a user message; `tools` (`input_schema` -> `parameters`);
+`tool_choice` auto / any / tool / none; `max_tokens` (required); `stop_sequences`;
+`temperature`, `top_p`; `stream` with Anthropic's named events (message_start,
+content_block_start / _delta (text_delta, input_json_delta) / _stop, message_delta with the
+stop_reason and usage, message_stop). `model` is free: any name is accepted and echoed back.
+
+Approximated: `tool_choice` any / tool cannot force a call (the named tool alone is sent);
+`none` sends no tools. `stop_reason` is end_turn, max_tokens or tool_use: a reply that met one
+of the `stop_sequences` is reported as end_turn (the backend does not say which stop it met).
+Thinking blocks in the history are dropped; `thinking`, `top_k`, `metadata`, `cache_control`
+and `service_tier` are ignored. A structured tool call whose arguments are not a JSON object
+has `input` {}.
+
+Refused with 400: a missing `max_tokens`; image, document and other non-text blocks; server
+and client-defined tool types (web search, bash, text editor, ...).
+
+`count_tokens` answers a rough estimate (about 4 characters per token over the JSON of the
+system prompt, messages and tools): the real count needs the job's tokenizer and template.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from prorl_server.gateway.common import (
+    ChatTurns,
+    Fields,
+    GatewayError,
+    Reply,
+    bad_request,
+    function_tool,
+    json_response,
+    new_id,
+    only_tool,
+    sampling_for,
+    sse_event,
+    sse_response,
+)
+from prorl_server.sandbox.runtime.relay import HttpResponse
+
+ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "context_length": "invalid_request_error",
+    "method_not_allowed": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "rate_limit": "rate_limit_error",
+    "unavailable": "overloaded_error",
+    "api_error": "api_error",
+}
+
+
+def error_body(error: GatewayError) -> dict[str, Any]:
+    """Anthropic's error object."""
+    kind = ERROR_TYPES.get(error.kind, "api_error")
+    message = f"prompt is too long: {error.message}" if error.kind == "context_length" else error.message
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _blocks(content: Any, path: str) -> list[tuple[str, dict[str, Any]]]:
+    """A message's content as (path, block) pairs; a string is one text block."""
+    if isinstance(content, str):
+        return [(path, {"type": "text", "text": content})]
+    if not isinstance(content, list):
+        raise bad_request(f"{path} must be a string or an array of content blocks", path)
+    blocks = []
+    for index, block in enumerate(content):
+        where = f"{path}[{index}]"
+        if not isinstance(block, dict):
+            raise bad_request(f"{where} must be an object", where)
+        blocks.append((where, block))
+    return blocks
+
+
+def _text(block: dict[str, Any], path: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise bad_request(f"{path}.text must be a string", f"{path}.text")
+    return text
+
+
+def _unsupported(block: dict[str, Any], path: str) -> GatewayError:
+    return bad_request(
+        f"{path} is a {block.get('type')!r} block: this gateway takes text, tool_use and tool_result "
+        "blocks only (no images, documents or server tools)",
+        path,
+    )
+
+
+def _result_text(block: dict[str, Any], path: str) -> str:
+    content = block.get("content")
+    if content is None:
+        return ""
+    texts = []
+    for where, inner in _blocks(content, f"{path}.content"):
+        if inner.get("type") != "text":
+            raise _unsupported(inner, where)
+        texts.append(_text(inner, where))
+    return "\n".join(texts)
+
+
+def system_of(fields: Fields) -> str | None:
+    system = fields.get("system")
+    if system is None:
+        return None
+    texts = []
+    for where, block in _blocks(system, "system"):
+        if block.get("type") != "text":
+            raise _unsupported(block, where)
+        texts.append(_text(block, where))
+    return "\n".join(texts)
+
+
+def messages_of(fields: Fields) -> list[dict[str, Any]]:
+    raw = fields.array("messages", required=True)
+    assert raw is not None
+    messages: list[dict[str, Any]] = []
+    system = system_of(fields)
+    if system is not None:
+        messages.append({"role": "system", "content": system})
+    for index, value in enumerate(raw):
+        path = f"messages[{index}]"
+        message = Fields.of(value, path)
+        role = message.required_string("role")
+        if message.get("content") is None:
+            raise bad_request(f"{path}.content: this field is required", f"{path}.content")
+        blocks = _blocks(message.get("content"), f"{path}.content")
+        if role == "user":
+            messages.extend(_user(blocks))
+        elif role == "assistant":
+            messages.append(_assistant(blocks))
+        else:
+            raise bad_request(f"{path}.role must be 'user' or 'assistant', not {role!r}", f"{path}.role")
+    return messages
+
+
+def _user(blocks: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for where, block in blocks:
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_text(block, where))
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            call_id = Fields(block, where).required_string("tool_use_id")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": _result_text(block, where)})
+        else:
+            raise _unsupported(block, where)
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant(blocks: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for where, block in blocks:
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_text(block, where))
+        elif kind == "tool_use":
+            fields = Fields(block, where)
+            arguments = block.get("input")
+            if arguments is None:
+                arguments = {}
+            if not isinstance(arguments, dict):
+                raise bad_request(f"{where}.input must be an object", f"{where}.input")
+            calls.append(
+                {
+                    "id": fields.required_string("id"),
+                    "type": "function",
+                    "function": {"name": fields.required_string("name"), "arguments": json.dumps(arguments)},
+                }
+            )
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise _unsupported(block, where)
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def tools_of(fields: Fields) -> tuple[list[dict[str, Any]], bool]:
+    """The tools to send and whether to read tool calls from the reply, after `tool_choice`."""
+    tools: list[dict[str, Any]] = []
+    for index, value in enumerate(fields.array("tools") or []):
+        path = f"tools[{index}]"
+        tool = Fields.of(value, path)
+        kind = tool.string("type")
+        if kind not in (None, "custom"):
+            raise bad_request(
+                f"{path} is a {kind!r} tool: only custom tools (name, description, input_schema) are supported",
+                path,
+            )
+        tools.append(
+            function_tool(tool.required_string("name"), tool.string("description"), tool.get("input_schema"), path)
+        )
+    choice = fields.obj("tool_choice")
+    if choice is None:
+        return tools, bool(tools)
+    kind = choice.required_string("type")
+    if kind == "auto":
+        return tools, bool(tools)
+    if kind == "none":
+        return [], False
+    if kind == "any":
+        if not tools:
+            raise bad_request("tool_choice is 'any' but the request has no tools", "tool_choice")
+        return tools, True
+    if kind == "tool":
+        return only_tool(tools, choice.required_string("name"), "tool_choice"), True
+    raise bad_request(f"tool_choice.type must be auto, any, tool or none, not {kind!r}", "tool_choice.type")
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    return {
+        "input_tokens": reply.prompt_tokens,
+        "output_tokens": reply.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+def content_blocks(reply: Reply) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if reply.content or not reply.calls:
+        blocks.append({"type": "text", "text": reply.content})
+    for call in reply.calls:
+        blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments})
+    return blocks
+
+
+def message_object(reply: Reply, *, model: str) -> dict[str, Any]:
+    return {
+        "id": new_id("msg_"),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content_blocks(reply),
+        "stop_reason": STOP_REASONS[reply.finish],
+        "stop_sequence": None,
+        "usage": _usage(reply),
+    }
+
+
+def message_events(reply: Reply, *, model: str) -> list[bytes]:
+    """The reply as Anthropic's stream of named events."""
+    start = {**message_object(reply, model=model), "content": [], "stop_reason": None}
+    start["usage"] = {**_usage(reply), "output_tokens": 0}
+    events = [
+        sse_event({"type": "message_start", "message": start}, "message_start"),
+        sse_event({"type": "ping"}, "ping"),
+    ]
+    for index, block in enumerate(content_blocks(reply)):
+        if block["type"] == "text":
+            opening: dict[str, Any] = {"type": "text", "text": ""}
+            delta = {"type": "text_delta", "text": block["text"]}
+        else:
+            opening = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        events.append(
+            sse_event({"type": "content_block_start", "index": index, "content_block": opening}, "content_block_start")
+        )
+        if delta.get("text") != "":
+            events.append(
+                sse_event({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+            )
+        events.append(sse_event({"type": "content_block_stop", "index": index}, "content_block_stop"))
+    finish = {
+        "type": "message_delta",
+        "delta": {"stop_reason": STOP_REASONS[reply.finish], "stop_sequence": None},
+        "usage": {"output_tokens": reply.completion_tokens},
+    }
+    events.append(sse_event(finish, "message_delta"))
+    events.append(sse_event({"type": "message_stop"}, "message_stop"))
+    return events
+
+
+async def handle_messages(turns: ChatTurns, body: dict[str, Any]) -> HttpResponse:
+    fields = Fields(body)
+    max_tokens = fields.integer("max_tokens", minimum=1, required=True)
+    messages = messages_of(fields)
+    tools, parse_calls = tools_of(fields)
+    stop = fields.array("stop_sequences")
+    if stop is not None and not all(isinstance(item, str) for item in stop):
+        raise bad_request("stop_sequences must be an array of strings", "stop_sequences")
+    sampling = sampling_for(
+        turns.default_sampling,
+        max_tokens=max_tokens,
+        temperature=fields.number("temperature", minimum=0.0, maximum=1.0),
+        top_p=fields.number("top_p", minimum=0.0, maximum=1.0),
+        stop=tuple(stop) if stop is not None else None,
+    )
+    stream = fields.boolean("stream")
+    model = fields.string("model") or turns.model
+    reply = await turns.run(messages, tools, sampling, parse_calls=parse_calls)
+    if stream:
+        return sse_response(message_events(reply, model=model))
+    return json_response(200, message_object(reply, model=model))
+
+
+CHARS_PER_TOKEN = 4
+
+
+def handle_count_tokens(body: dict[str, Any]) -> HttpResponse:
+    """A rough estimate (see the module docstring); the request is checked as a messages request."""
+    fields = Fields(body)
+    messages = messages_of(fields)
+    tools, _ = tools_of(fields)
+    size = len(json.dumps(messages, ensure_ascii=False)) + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0)
+    return json_response(200, {"input_tokens": math.ceil(size / CHARS_PER_TOKEN)})
+
+
+def model_object(model: str) -> dict[str, Any]:
+    return {"type": "model", "id": model, "display_name": model, "created_at": "1970-01-01T00:00:00Z"}
+
+
+def handle_models(turns: ChatTurns, name: str | None) -> HttpResponse:
+    """GET /v1/models in Anthropic's shape (a request with an `anthropic-version` header)."""
+    if name is None:
+        page = {"data": [model_object(turns.model)], "has_more": False, "first_id": turns.model, "last_id": turns.model}
+        return json_response(200, page)
+    if name != turns.model:
+        raise GatewayError(404, f"model: {name}", kind="not_found")
+    return json_response(200, model_object(turns.model))

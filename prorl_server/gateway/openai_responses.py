@@ -1,0 +1,283 @@
+"""OpenAI's Responses API (`POST /v1/responses`), stateless, as far as a typical harness needs it.
+
+Supported: `input` as a string or a list of items: messages (roles user, system, developer,
+assistant; content a string or input_text / output_text parts), `function_call` items (joined to
+the assistant message before them) and `function_call_output` items (`tool` messages);
+`reasoning` items are dropped. `instructions` (a system message first); function `tools` (flat:
+name, description, parameters); `tool_choice` auto / none / required / a function / allowed_tools;
+`max_output_tokens`, `temperature`, `top_p`; vLLM's `chat_template_kwargs`. The response has
+`output` items (a message with one output_text part; function_call items with id, call_id, name
+and arguments), `output_text`, `usage`, and status `incomplete` (reason max_output_tokens) when
+the reply was cut. `stream: true` sends response.created, response.in_progress,
+response.output_item.added, response.content_part.added, response.output_text.delta / .done,
+response.content_part.done, response.function_call_arguments.delta / .done,
+response.output_item.done and response.completed (response.incomplete when cut).
+
+Approximated as on the chat API: tool_choice required / a function cannot force a call.
+
+Refused with 400: `previous_response_id`, `conversation`, `item_reference` items and
+`background` (nothing is stored: send the whole conversation as `input`); `prompt` templates;
+non-function tools (web search, file search, computer use, ...); image and file inputs.
+Ignored: `store`, `include`, `text` (formats), `reasoning`, `metadata`, `parallel_tool_calls`,
+`truncation`, `user`, `prompt_cache_key`, `service_tier`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prorl_server.gateway.common import (
+    ChatTurns,
+    Fields,
+    Reply,
+    bad_request,
+    function_tool,
+    json_response,
+    new_id,
+    only_tool,
+    sampling_for,
+    sse_event,
+    sse_response,
+    text_of,
+)
+from prorl_server.sandbox.runtime.relay import HttpResponse
+
+STATELESS = "this gateway is stateless and stores no responses: send the whole conversation as input"
+
+
+def messages_of(fields: Fields) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    instructions = fields.string("instructions")
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    value = fields.get("input")
+    if value is None:
+        raise bad_request("input: this field is required", "input")
+    if isinstance(value, str):
+        messages.append({"role": "user", "content": value})
+        return messages
+    if not isinstance(value, list):
+        raise bad_request("input must be a string or an array of items", "input")
+    assistant: dict[str, Any] | None = None  # the open assistant message: function calls join it
+    for index, raw in enumerate(value):
+        path = f"input[{index}]"
+        item = Fields.of(raw, path)
+        kind = item.string("type") or ("message" if item.has("role") else None)
+        if kind == "function_call":
+            arguments = item.get("arguments")
+            if arguments is None:
+                arguments = "{}"
+            if not isinstance(arguments, str):
+                raise bad_request(f"{path}.arguments must be a string", f"{path}.arguments")
+            call = {
+                "id": item.required_string("call_id"),
+                "type": "function",
+                "function": {"name": item.required_string("name"), "arguments": arguments},
+            }
+            if assistant is None:
+                assistant = {"role": "assistant", "content": ""}
+                messages.append(assistant)
+            assistant.setdefault("tool_calls", []).append(call)
+            continue
+        if kind == "reasoning":
+            continue
+        assistant = None
+        if kind == "message":
+            role = item.required_string("role")
+            content = text_of(item.get("content"), item.name("content"))
+            if role in ("system", "developer"):
+                messages.append({"role": "system", "content": content})
+            elif role == "user":
+                messages.append({"role": "user", "content": content})
+            elif role == "assistant":
+                assistant = {"role": "assistant", "content": content}
+                messages.append(assistant)
+            else:
+                raise bad_request(f"{path}.role: unknown role {role!r}", item.name("role"))
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.required_string("call_id"),
+                    "content": text_of(output, item.name("output")),
+                }
+            )
+        elif kind == "item_reference":
+            raise bad_request(f"{path} is an item_reference: {STATELESS}", path)
+        else:
+            raise bad_request(
+                f"{path} is a {kind!r} item: only message, function_call, function_call_output "
+                "and reasoning items are supported",
+                path,
+            )
+    return messages
+
+
+def tools_of(fields: Fields) -> tuple[list[dict[str, Any]], bool]:
+    tools: list[dict[str, Any]] = []
+    for index, value in enumerate(fields.array("tools") or []):
+        path = f"tools[{index}]"
+        tool = Fields.of(value, path)
+        kind = tool.string("type")
+        if kind != "function":
+            raise bad_request(f"{path} is a {kind!r} tool: only function tools are supported", path)
+        tools.append(
+            function_tool(tool.required_string("name"), tool.string("description"), tool.get("parameters"), path)
+        )
+    choice = fields.get("tool_choice")
+    if choice is None or choice == "auto":
+        return tools, bool(tools)
+    if choice == "none":
+        return [], False
+    if choice == "required":
+        if not tools:
+            raise bad_request("tool_choice is 'required' but the request has no tools", "tool_choice")
+        return tools, True
+    if isinstance(choice, dict):
+        chosen = Fields(choice, "tool_choice")
+        kind = chosen.string("type")
+        if kind == "function":
+            return only_tool(tools, chosen.required_string("name"), "tool_choice"), True
+        if kind == "allowed_tools":
+            listed = chosen.array("tools", required=True) or []
+            names = {str(item.get("name")) for item in listed if isinstance(item, dict)}
+            narrowed = [tool for tool in tools if tool["function"]["name"] in names]
+            return narrowed, bool(narrowed)
+        raise bad_request(f"tool_choice of type {kind!r} is not supported", "tool_choice")
+    raise bad_request("tool_choice must be 'auto', 'none', 'required' or a function", "tool_choice")
+
+
+def _message_item(reply: Reply, status: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": new_id("msg_"),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": reply.content, "annotations": [], "logprobs": []}],
+    }
+
+
+def output_items(reply: Reply) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    if reply.content or not reply.calls:
+        items.append(_message_item(reply, "incomplete" if reply.finish == "length" else "completed"))
+    for call in reply.calls:
+        items.append(
+            {
+                "type": "function_call",
+                "id": new_id("fc_"),
+                "call_id": call.id,
+                "name": call.name,
+                "arguments": call.arguments_json,
+                "status": "completed",
+            }
+        )
+    return items
+
+
+def _usage(reply: Reply) -> dict[str, Any]:
+    return {
+        "input_tokens": reply.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": reply.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }
+
+
+def response_object(reply: Reply | None, *, request: Fields, model: str, response_id: str) -> dict[str, Any]:
+    """The response; `reply` None: as it is before the reply (in progress, no output)."""
+    output = output_items(reply) if reply is not None else []
+    status = "in_progress" if reply is None else "incomplete" if reply.finish == "length" else "completed"
+    tools = request.get("tools") or []
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": request.get("instructions"),
+        "max_output_tokens": request.get("max_output_tokens"),
+        "model": model,
+        "output": output,
+        "output_text": reply.content if reply is not None else "",
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "store": False,
+        "temperature": request.get("temperature"),
+        "text": {"format": {"type": "text"}},
+        "tool_choice": request.get("tool_choice") or "auto",
+        "tools": tools,
+        "top_p": request.get("top_p"),
+        "truncation": "disabled",
+        "usage": _usage(reply) if reply is not None else None,
+        "metadata": request.get("metadata") or {},
+    }
+
+
+def response_events(reply: Reply, *, request: Fields, model: str) -> list[bytes]:
+    """The reply as the Responses API's stream of events."""
+    response_id = new_id("resp_")
+    events: list[bytes] = []
+
+    def emit(kind: str, **fields: Any) -> None:
+        events.append(sse_event({"type": kind, "sequence_number": len(events), **fields}, kind))
+
+    opening = response_object(None, request=request, model=model, response_id=response_id)
+    emit("response.created", response=opening)
+    emit("response.in_progress", response=opening)
+    final = response_object(reply, request=request, model=model, response_id=response_id)
+    for index, item in enumerate(final["output"]):
+        if item["type"] == "message":
+            part = item["content"][0]
+            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            emit(
+                "response.output_item.added", output_index=index, item={**item, "status": "in_progress", "content": []}
+            )
+            emit("response.content_part.added", **ids, part={**part, "text": ""})
+            if part["text"]:
+                emit("response.output_text.delta", **ids, delta=part["text"], logprobs=[])
+            emit("response.output_text.done", **ids, text=part["text"], logprobs=[])
+            emit("response.content_part.done", **ids, part=part)
+        else:
+            ids = {"item_id": item["id"], "output_index": index}
+            emit(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "status": "in_progress", "arguments": ""},
+            )
+            emit("response.function_call_arguments.delta", **ids, delta=item["arguments"])
+            emit("response.function_call_arguments.done", **ids, name=item["name"], arguments=item["arguments"])
+        emit("response.output_item.done", output_index=index, item=item)
+    emit("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+    return events
+
+
+async def handle_responses(turns: ChatTurns, body: dict[str, Any]) -> HttpResponse:
+    fields = Fields(body)
+    for stateful in ("previous_response_id", "conversation"):
+        if fields.has(stateful):
+            raise bad_request(f"{stateful}: {STATELESS}", stateful)
+    if fields.boolean("background"):
+        raise bad_request(f"background: {STATELESS}", "background")
+    if fields.has("prompt"):
+        raise bad_request("prompt: stored prompt templates are not supported", "prompt")
+    messages = messages_of(fields)
+    tools, parse_calls = tools_of(fields)
+    sampling = sampling_for(
+        turns.default_sampling,
+        max_tokens=fields.integer("max_output_tokens", minimum=1),
+        temperature=fields.number("temperature", minimum=0.0, maximum=2.0),
+        top_p=fields.number("top_p", minimum=0.0, maximum=1.0),
+        stop=None,
+        template_kwargs=fields.template_kwargs(),
+    )
+    stream = fields.boolean("stream")
+    model = fields.string("model") or turns.model
+    reply = await turns.run(messages, tools, sampling, parse_calls=parse_calls)
+    if stream:
+        return sse_response(response_events(reply, request=fields, model=model))
+    return json_response(200, response_object(reply, request=fields, model=model, response_id=new_id("resp_")))

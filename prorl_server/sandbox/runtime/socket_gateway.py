@@ -1,0 +1,314 @@
+"""The server's end of the HTTP relay: a loopback endpoint inside a network-less sandbox.
+
+`SocketGateway.open` connects to the in-sandbox runtime's Unix socket on a
+connection of its own and sends `{"id": 1, "op": "gateway", "port": P}`; the
+runtime listens on the sandbox's loopback (127.0.0.1:P, P=0 any free port) and
+answers `{"id": 1, "ok": true, "port": bound}`. From then on the connection
+carries relay frames (8-byte big-endian length + JSON, as every runtime frame),
+each naming its exchange (one HTTP request and its response) by `gw`:
+
+    runtime -> server  {"gw": k, "type": "request", "method", "path", "headers": [[name, value], ...],
+                        "body_b64"}
+                       {"gw": k, "type": "cancel"}     the program went away before the end
+    server -> runtime  {"gw": k, "type": "response", "status", "headers": [[name, value], ...]}
+                       {"gw": k, "type": "chunk", "data_b64"}    any number of them
+                       {"gw": k, "type": "end"}        or with "error": the body broke off
+
+Each request is served in an asyncio task of its own that awaits the
+`GatewayHandler` (relay.py); a body given whole is relayed with its
+Content-Length, an async iterator piece by piece as it yields (the runtime
+writes those with chunked encoding, flushed at once: server-sent events arrive
+as they are produced). A `cancel` cancels the handler's task; a handler that
+raises is answered with 500 and a short JSON error. Closing either end closes
+the listener inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import functools
+import json
+import struct
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import structlog
+
+from prorl_server.errors import SandboxError
+from prorl_server.sandbox.runtime.client import RuntimeOpFailed
+from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler, HttpRequest, HttpResponse
+
+log = structlog.get_logger(__name__)
+
+HEADER = struct.Struct(">Q")
+MAX_FRAME = 256 << 20
+"""The runtime caps a request body at 64 MiB (base64 and headers come on top)."""
+PIECE_BYTES = 1 << 20
+"""A body (or a piece an iterator yields) is relayed in chunks of at most this."""
+INLINE_BYTES = 1 << 20
+"""Larger frames are decoded in a worker thread, never on the event loop."""
+OPEN_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 2.0
+"""How long `close()` waits for the runtime to confirm that its listener is closed."""
+
+
+def error_response(status: int, message: str) -> HttpResponse:
+    """A short JSON error, shaped as OpenAI-compatible APIs shape theirs."""
+    body = json.dumps({"error": {"message": message, "type": "gateway_error", "code": status}}).encode()
+    return HttpResponse(status, {"content-type": "application/json"}, body)
+
+
+def _encode(message: Mapping[str, Any]) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    return HEADER.pack(len(body)) + body
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> Any:
+    (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    if size > MAX_FRAME:
+        raise ValueError(f"a relay frame of {size} bytes is too large")
+    body = await reader.readexactly(size)
+    if size > INLINE_BYTES:
+        return await asyncio.to_thread(json.loads, body)
+    return json.loads(body)
+
+
+def _checked(response: Any) -> HttpResponse:
+    """The handler's answer, if it is one the relay can send (else TypeError, answered 500)."""
+    if not isinstance(response, HttpResponse):
+        raise TypeError(f"the handler returned {type(response).__name__}, not an HttpResponse")
+    if not isinstance(response.status, int) or not 200 <= response.status <= 599:
+        raise TypeError(f"the handler returned status {response.status!r}, not one of 200-599")
+    if not isinstance(response.body, bytes | bytearray | memoryview) and not hasattr(response.body, "__aiter__"):
+        raise TypeError(f"the handler returned a body of {type(response.body).__name__}: bytes or an async iterator")
+    return response
+
+
+def _request_of(frame: Mapping[str, Any]) -> HttpRequest:
+    """The handler's view of a request frame; header names lower-cased, repeated ones joined
+    with ", " (as HTTP allows). Raises ValueError or TypeError on a malformed frame."""
+    method, path = frame["method"], frame["path"]
+    if not isinstance(method, str) or not isinstance(path, str):
+        raise TypeError("method and path must be strings")
+    headers: dict[str, str] = {}
+    for name, value in frame.get("headers") or []:
+        key = str(name).lower()
+        headers[key] = f"{headers[key]}, {value}" if key in headers else str(value)
+    body = base64.b64decode(frame.get("body_b64") or "", validate=True)
+    return HttpRequest(method=method, path=path, headers=headers, body=body)
+
+
+class SocketGateway(GatewayHandle):
+    """A gateway over a dedicated connection to the in-sandbox runtime (see the module's docstring)."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        handler: GatewayHandler,
+        *,
+        port: int,
+        hosts: list[str],
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._handler = handler
+        self._port = port
+        self.hosts = hosts
+        """The loopback addresses listened on: 127.0.0.1, and ::1 when the sandbox has IPv6."""
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._read_task: asyncio.Task[None] | None = None
+        self._closing: asyncio.Future[None] | None = None
+        self._closed = False
+
+    @classmethod
+    async def open(
+        cls, socket_path: str, handler: GatewayHandler, *, port: int = 0, timeout_s: float = OPEN_TIMEOUT_S
+    ) -> SocketGateway:
+        """Connect to the runtime at `socket_path` and have it listen on `port` (0: any free
+        one). SandboxError when the runtime cannot be reached, RuntimeOpFailed when it
+        cannot listen (the port is taken: errno EADDRINUSE)."""
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port {port} is not a TCP port")
+        try:
+            async with asyncio.timeout(timeout_s):
+                reader, writer = await asyncio.open_unix_connection(socket_path)
+        except (OSError, TimeoutError) as exc:
+            raise SandboxError(
+                f"cannot reach the sandbox runtime to open a gateway: {str(exc) or type(exc).__name__}",
+                reason="sandbox_lost",
+            ) from exc
+        try:
+            async with asyncio.timeout(timeout_s):
+                writer.write(_encode({"id": 1, "op": "gateway", "port": port}))
+                await writer.drain()
+                reply = await _read_frame(reader)
+            if not isinstance(reply, dict) or reply.get("id") != 1:
+                raise ValueError(f"unexpected answer {str(reply)[:200]}")
+            if not reply.get("ok"):
+                number = reply.get("errno")
+                raise RuntimeOpFailed(
+                    f"the sandbox runtime could not open a gateway on port {port}: {str(reply.get('error'))[:500]}",
+                    errno=number if isinstance(number, int) else None,
+                )
+            bound = reply.get("port")
+            if not isinstance(bound, int) or not 0 < bound <= 65535:
+                raise ValueError(f"the answer names no port: {str(reply)[:200]}")
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError, ValueError) as exc:
+            writer.close()
+            raise SandboxError(
+                f"the sandbox runtime did not open a gateway: {str(exc) or type(exc).__name__}", reason="sandbox_lost"
+            ) from exc
+        except BaseException:
+            writer.close()
+            raise
+        hosts = [str(host) for host in reply.get("hosts") or ["127.0.0.1"]]
+        gateway = cls(reader, writer, handler, port=bound, hosts=hosts)
+        gateway._read_task = asyncio.create_task(gateway._read_loop(), name=f"gateway-reader:{bound}")
+        return gateway
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def in_flight(self) -> int:
+        """Requests whose handler is running or whose response is being relayed."""
+        return len(self._tasks)
+
+    async def close(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    # --- the relay ---------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                frame = await _read_frame(self._reader)
+                if not isinstance(frame, dict):
+                    continue
+                number, kind = frame.get("gw"), frame.get("type")
+                if not isinstance(number, int):
+                    continue
+                if kind == "request" and number not in self._tasks and not self._closed:
+                    task = asyncio.create_task(self._serve(number, frame), name=f"gateway:{self._port}:{number}")
+                    self._tasks[number] = task
+                    task.add_done_callback(functools.partial(self._forget, number))
+                elif kind == "cancel" and number in self._tasks:
+                    self._tasks[number].cancel()
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, ValueError):
+            pass  # the runtime closed the relay (or its sandbox is gone)
+        finally:
+            self._closed = True
+            for task in self._tasks.values():
+                task.cancel()
+            if self._closing is None:  # the runtime ended it: nothing more will be sent either
+                self._writer.close()
+
+    def _forget(self, number: int, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(number) is task:
+            del self._tasks[number]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("gateway_relay_failed", port=self._port, error=repr(task.exception()))
+
+    async def _send(self, *messages: Mapping[str, Any]) -> None:
+        """Frames, in one write."""
+        if self._closed:
+            raise ConnectionResetError("the gateway is closed")
+        self._writer.write(b"".join(_encode(message) for message in messages))
+        await self._writer.drain()
+
+    async def _serve(self, number: int, frame: Mapping[str, Any]) -> None:
+        try:
+            try:
+                if len(str(frame.get("body_b64") or "")) > INLINE_BYTES:
+                    request = await asyncio.to_thread(_request_of, frame)
+                else:
+                    request = _request_of(frame)
+            except (KeyError, TypeError, ValueError):
+                await self._respond(number, error_response(400, "the relayed request was malformed"))
+                return
+            try:
+                response = _checked(await self._handler(request))
+            except Exception as exc:
+                log.warning(
+                    "gateway_handler_failed", port=self._port, method=request.method, path=request.path, exc_info=exc
+                )
+                response = error_response(500, f"the gateway's handler failed ({type(exc).__name__})")
+            await self._respond(number, response)
+        except (ConnectionError, OSError):
+            pass  # the relay is gone: nobody is left to answer
+
+    async def _respond(self, number: int, response: HttpResponse) -> None:
+        body = response.body
+        headers = [[str(name), str(value)] for name, value in response.headers.items()]
+        if isinstance(body, bytes | bytearray | memoryview):
+            body = bytes(body)
+            if not any(name.lower() == "content-length" for name, _ in headers):
+                headers.append(["content-length", str(len(body))])
+        head = {"gw": number, "type": "response", "status": int(response.status), "headers": headers}
+        if isinstance(body, bytes):
+            end = {"gw": number, "type": "end"}
+            if len(body) <= PIECE_BYTES:  # the whole response in one write
+                data = [{"gw": number, "type": "chunk", "data_b64": base64.b64encode(body).decode()}] if body else []
+                await self._send(head, *data, end)
+                return
+            await self._send(head)
+            await self._send_data(number, body)
+            await self._send(end)
+            return
+        await self._send(head)
+        await self._relay_stream(number, body)
+
+    async def _relay_stream(self, number: int, body: AsyncIterator[bytes]) -> None:
+        try:
+            async for piece in body:
+                await self._send_data(number, piece.encode() if isinstance(piece, str) else bytes(piece))
+        except (asyncio.CancelledError, ConnectionError, OSError):
+            raise
+        except Exception as exc:
+            log.warning("gateway_body_failed", port=self._port, exc_info=exc)
+            await self._send({"gw": number, "type": "end", "error": f"the body broke off ({type(exc).__name__})"})
+            return
+        finally:
+            close = getattr(body, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+        await self._send({"gw": number, "type": "end"})
+
+    async def _send_data(self, number: int, data: bytes) -> None:
+        for start in range(0, len(data), PIECE_BYTES):
+            piece = base64.b64encode(data[start : start + PIECE_BYTES]).decode()
+            await self._send({"gw": number, "type": "chunk", "data_b64": piece})
+
+    async def _close(self) -> None:
+        self._closed = True
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # Half-close: the runtime closes its listener, then the connection; its EOF tells
+        # that the port inside the sandbox is free.
+        with contextlib.suppress(OSError, RuntimeError):
+            if self._writer.can_write_eof():
+                self._writer.write_eof()
+        reader = self._read_task
+        if reader is not None:
+            await asyncio.wait({reader}, timeout=CLOSE_TIMEOUT_S)
+            reader.cancel()
+            await asyncio.wait({reader})
+        self._writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await self._writer.wait_closed()
+
+    def __repr__(self) -> str:
+        return f"SocketGateway(port={self._port}, closed={self._closed}, in_flight={len(self._tasks)})"
