@@ -24,6 +24,8 @@ from prorl_server.api.auth import BearerTokenInterceptor
 from prorl_server.api.errors import ErrorInterceptor
 from prorl_server.api.rollout_servicer import RolloutServicer
 from prorl_server.config import ConfigError, Settings
+from prorl_server.gateway.aiohttp_adapter import GatewayServer
+from prorl_server.gateway.directory import GatewayDirectory
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.phases import PhaseGate, phase_gates
 from prorl_server.jobs.pipeline import Pipeline
@@ -69,6 +71,8 @@ class ProrlServer:
         )
         phases = settings.phases
         self._gates: dict[v1.Phase, PhaseGate] = phase_gates(init=phases.init, run=phases.run, eval=phases.eval)
+        self._gateways = GatewayDirectory()
+        self._gateway_server: GatewayServer | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self.manager: JobManager | None = None
@@ -76,6 +80,11 @@ class ProrlServer:
         self._store: SQLiteJobStore | None = None
         self.port = 0
         self._stopped = False
+
+    @property
+    def gateway_port(self) -> int | None:
+        """The port the jobs' model gateways are served on outside the sandboxes, once started."""
+        return self._gateway_server.port if self._gateway_server is not None else None
 
     @property
     def address(self) -> str:
@@ -103,7 +112,19 @@ class ProrlServer:
             )
             self._store = SQLiteJobStore(path)
             await self._store.open()
-        pipeline = Pipeline(gates=self._gates, sandboxes=self._sandboxes, router=self._router, metrics=self.metrics)
+        if settings.server.gateway_port is not None:
+            self._gateway_server = GatewayServer(
+                self._gateways, host=settings.server.host, port=settings.server.gateway_port
+            )
+            await self._gateway_server.start()
+        pipeline = Pipeline(
+            gates=self._gates,
+            sandboxes=self._sandboxes,
+            router=self._router,
+            metrics=self.metrics,
+            gateways=self._gateways,
+            gateway_port=lambda: self.gateway_port,
+        )
         self.manager = JobManager(
             settings=settings, registry=self._registry, pipeline=pipeline, metrics=self.metrics, store=self._store
         )
@@ -272,6 +293,8 @@ class ProrlServer:
         if self._server is not None:
             await self._server.stop(grace=1.0)
         await self.metrics.close()
+        if self._gateway_server is not None:
+            await self._gateway_server.close()
         if self._store is not None:
             await self._store.close()
         if self._sandboxes is not None:

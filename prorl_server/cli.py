@@ -110,6 +110,8 @@ async def _serve(settings: Settings) -> None:
     shown = f"[{host}]" if ":" in host else host  # an IPv6 address, as gRPC targets and URLs write it
     if settings.server.metrics_port is not None:
         print(f"prorl-server metrics on http://{shown}:{server.metrics.port}/metrics", file=sys.stderr, flush=True)
+    if settings.server.gateway_port is not None:
+        print(f"prorl-server model gateway on http://{shown}:{server.gateway_port}", file=sys.stderr, flush=True)
     print(f"prorl-server listening on {shown}:{server.port}", file=sys.stderr, flush=True)
     try:
         await stop.wait()

@@ -46,6 +46,9 @@ class ServerSettings(_Section):
     """On shutdown, running jobs get this long to finish before they are cancelled."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus metrics at http://host:metrics_port/metrics; None: off, 0: any free port."""
+    gateway_port: int | None = Field(None, ge=0, le=65535)
+    """Serve the jobs' model gateways outside their sandboxes at http://host:gateway_port/jobs/<job_id>
+    (each with its job's key, for harnesses beside the sandbox); None: off, 0: any free port."""
     auth_tokens: list[SecretStr] = []
     """Bearer tokens accepted (`authorization: Bearer <token>`); empty: no authentication."""
     auth_tokens_file: str | None = None

@@ -15,6 +15,7 @@ import abc
 import copy
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -46,6 +47,20 @@ ChatFn = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]], Sampling]
 """One model turn: (messages, tool schemas, sampling) -> the reply (the job's LLM session)."""
 SandboxFactory = Callable[[], Awaitable[Sandbox]]
 """Starts a sandbox of the job's image."""
+
+
+@dataclass(frozen=True)
+class JobGateway:
+    """The job's model gateway, open in one of its sandboxes."""
+
+    port: int
+    """On the sandbox's loopback: http://127.0.0.1:<port>/v1 for OpenAI SDKs, without /v1 for Anthropic's."""
+    api_key: str
+    """The job's key: refused once the gateway is closed."""
+
+
+GatewayOpener = Callable[[Sandbox], AbstractAsyncContextManager[JobGateway]]
+"""Opens the job's model gateway in a sandbox for as long as the context lasts."""
 
 
 class TaskInstance(BaseModel):
@@ -80,7 +95,7 @@ class RolloutContext(Generic[InstanceT]):
         chat: ChatFn,
         sandbox_factory: SandboxFactory,
         recorder: TrajectoryRecorder,
-        program_chat: ChatFn | None = None,
+        model_gateway: GatewayOpener | None = None,
     ) -> None:
         self.job_id = job_id
         self.instance = instance
@@ -88,8 +103,9 @@ class RolloutContext(Generic[InstanceT]):
         self.sampling = sampling
         self.chat = chat
         """The agent's model turns (one conversation, the job's token trajectory)."""
-        self.program_chat = program_chat
-        """An agent program's model calls through the gateway (token chains, one per history)."""
+        self.model_gateway = model_gateway
+        """For an agent program: the job's model gateway (its calls become token chains, one per
+        history), opened in a sandbox with `async with ctx.model_gateway(sandbox) as gateway`."""
         self.recorder = recorder
         self._sandbox_factory = sandbox_factory
         self._sandboxes = _JobSandboxes()

@@ -25,7 +25,6 @@ family then evaluates it exactly as for its own agent, in a fresh sandbox.
 
 from __future__ import annotations
 
-import secrets
 import shlex
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -41,7 +40,6 @@ from prorl_server.agents.outcomes import StopReason
 from prorl_server.agents.stem import StemHandler
 from prorl_server.agents.swe import SWEHandler
 from prorl_server.errors import InfrastructureError, InvalidArgument
-from prorl_server.gateway.app import ModelGateway
 from prorl_server.verifiers.harness import LOG_TAIL_CHARS
 
 FAMILIES: dict[str, ToolLoopHandler[Any, Any]] = {
@@ -123,12 +121,10 @@ class CommandHandler(AgentHandler[CommandTask, ProgramOutcome]):
 
     async def run(self, ctx: RolloutContext[CommandTask]) -> ProgramOutcome:
         instance, sandbox = ctx.instance, ctx.sandbox
-        if ctx.program_chat is None:
-            raise InfrastructureError("this job has no model gateway", reason="no_gateway")
-        key = secrets.token_urlsafe(24)
+        if ctx.model_gateway is None:
+            raise InfrastructureError("this server gives jobs no model gateway", reason="no_gateway")
         folder = await self._scratch_folder(ctx)
-        gateway = await sandbox.open_gateway(ModelGateway(ctx.program_chat, default_sampling=ctx.sampling, api_key=key))
-        try:
+        async with ctx.model_gateway(sandbox) as gateway:
             family = FAMILIES[instance.verifier]
             task_text = family.user_prompt(instance.judged)
             await sandbox.write_file(f"{folder}/task.txt", task_text.encode())
@@ -137,17 +133,15 @@ class CommandHandler(AgentHandler[CommandTask, ProgramOutcome]):
             base = f"http://127.0.0.1:{gateway.port}"
             env = {
                 "OPENAI_BASE_URL": f"{base}/v1",
-                "OPENAI_API_KEY": key,
+                "OPENAI_API_KEY": gateway.api_key,
                 "ANTHROPIC_BASE_URL": base,
-                "ANTHROPIC_API_KEY": key,
+                "ANTHROPIC_API_KEY": gateway.api_key,
                 "PRORL_TASK": task_text,
                 "PRORL_TASK_FILE": f"{folder}/task.txt",
                 **instance.program.env,
             }
             command = self._command(instance, env, stdout=f"{folder}/stdout")
             result = await sandbox.bash(command, timeout_s=float(instance.program.timeout_s))
-        finally:
-            await gateway.close()
         if result.exit_code in NOT_RUNNABLE and not ctx.recorder.num_turns:
             raise InfrastructureError(
                 f"the program {instance.program.argv[0]!r} could not be run (exit {result.exit_code}): "

@@ -9,18 +9,22 @@ built from the trajectory so far, a `finished` event, the event log closed.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from prorl_client import v1
-from prorl_server.agents.base import EvalOutcome, RolloutContext
+from prorl_server.agents.base import EvalOutcome, JobGateway, RolloutContext
 from prorl_server.agents.events import AgentEvent
 from prorl_server.agents.recorder import TrajectoryRecorder
+from prorl_server.gateway.app import ModelGateway
 from prorl_server.gateway.chains import CallChains
+from prorl_server.gateway.directory import GatewayDirectory, job_path
 from prorl_server.jobs import wire
 from prorl_server.jobs.phase_runner import PhaseResult, PhaseRunner, PhaseTimes
 from prorl_server.jobs.phases import PhaseGate
@@ -66,7 +70,13 @@ class Pipeline:
         sandboxes: SandboxAllocator,
         router: BackendRouter,
         metrics: Metrics | None = None,
+        gateways: GatewayDirectory | None = None,
+        gateway_port: Callable[[], int | None] = lambda: None,
     ) -> None:
+        """`gateways`: where jobs' model gateways are listed for the server's gateway port, whose
+        number `gateway_port()` gives (None: not served outside the sandboxes)."""
+        self._gateways = gateways if gateways is not None else GatewayDirectory()
+        self._gateway_port = gateway_port
         self._phases = PhaseRunner(gates, metrics)
         self._init_gate = gates[v1.PHASE_INIT]
         self._metrics = metrics
@@ -92,6 +102,20 @@ class Pipeline:
         def emit(event: AgentEvent) -> None:
             job.events.append(**wire.agent_event(event))
 
+        @asynccontextmanager
+        async def model_gateway(sandbox: Sandbox) -> AsyncIterator[JobGateway]:
+            key = secrets.token_urlsafe(24)
+            gateway = ModelGateway(chains.chat, default_sampling=plan.sampling, api_key=key)
+            handle = await sandbox.open_gateway(gateway)
+            self._gateways.add(job.job_id, gateway)
+            try:
+                port = self._gateway_port() or 0
+                job.events.append(gateway_opened=v1.GatewayOpened(path=job_path(job.job_id), api_key=key, port=port))
+                yield JobGateway(handle.port, key)
+            finally:
+                self._gateways.remove(job.job_id)
+                await handle.close()
+
         recorder = TrajectoryRecorder(emit, self._metrics)
         return RolloutContext(
             job_id=job.job_id,
@@ -101,7 +125,7 @@ class Pipeline:
             chat=session.chat,
             sandbox_factory=open_sandbox,
             recorder=recorder,
-            program_chat=chains.chat,
+            model_gateway=model_gateway,
         )
 
     async def execute(self, job: JobRecord) -> None:

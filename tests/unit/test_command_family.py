@@ -5,6 +5,7 @@ program on this host with this interpreter (which has the SDK)."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import openai
 import pytest
 import pytest_asyncio
 from google.protobuf.struct_pb2 import Struct
@@ -26,6 +28,7 @@ from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, user_prompt
 from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
+from tests.helpers import assert_eventually
 
 # Two calls: the second extends the first (its reply echoed back, one more user message).
 AGENT = """
@@ -53,13 +56,18 @@ def command_request(question: str, gold: str, *, argv: list[str] | None = None) 
     return v1.RolloutRequest(handler="command", instance=instance)
 
 
-async def served(backend: LLMBackend) -> tuple[ProrlServer, FakeSandboxProvider]:
+async def served(backend: LLMBackend, *, gateway_port: int | None = None) -> tuple[ProrlServer, FakeSandboxProvider]:
     provider = FakeSandboxProvider(instance_id=instance_id("cmd"))
     settings = load_settings(
         None,
         environ={},
         overrides={
-            "server": {"port": 0, "instance_id": instance_id("server"), "shutdown_grace_s": 0},
+            "server": {
+                "port": 0,
+                "instance_id": instance_id("server"),
+                "shutdown_grace_s": 0,
+                "gateway_port": gateway_port,
+            },
             "jobs": {"store": False},
             "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
         },
@@ -170,3 +178,70 @@ async def test_on_a_token_backend_the_calls_are_one_exact_chain(tmp_path: Path) 
     assert sum(chain.loss_mask) == sum(span.end - span.start for span in chain.turn_spans)
     assert len(chain.policy_versions) == len(chain.token_ids) == len(chain.logprobs)
     assert list(result.trajectory.token_ids) == list(chain.token_ids)  # the top level holds the last chain
+
+
+class Held:
+    """A policy whose first call waits until the test releases it; any other question is answered."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    def __call__(self, messages: list[dict[str, Any]]) -> ScriptedReply:
+        if user_prompt(messages) == "ping":
+            return ScriptedReply("pong")
+        if len(messages) == 1:
+            return ScriptedReply("Let me think.", wait_for=self.release)
+        return ScriptedReply("42")
+
+
+async def events_until(client: Client, job_id: str, kind: str) -> v1.RolloutEvent:
+    async for event in client.watch(job_id):
+        if event.WhichOneof("kind") == kind:
+            return event
+    raise AssertionError(f"no {kind} event")
+
+
+async def test_the_gateway_is_reachable_outside_with_the_jobs_key_until_the_program_ends() -> None:
+    held = Held()
+    backend = ScriptedChatBackend(held)
+    server, provider = await served(backend, gateway_port=0)
+    try:
+        async with Client.connect(server.address) as client:
+            job = (await client.submit(command_request("What is 6 * 7?", "42"))).job
+            opened = (await events_until(client, job.job_id, "gateway_opened")).gateway_opened
+            assert opened.port == server.gateway_port and opened.path == f"/jobs/{job.job_id}"
+            base_url = f"http://127.0.0.1:{opened.port}{opened.path}/v1"
+            outside = openai.AsyncOpenAI(base_url=base_url, api_key=opened.api_key, max_retries=0)
+            reply = await outside.chat.completions.create(model="prorl", messages=[{"role": "user", "content": "ping"}])
+            assert reply.choices[0].message.content == "pong"
+            with pytest.raises(openai.AuthenticationError):
+                await openai.AsyncOpenAI(base_url=base_url, api_key="not-the-key", max_retries=0).models.list()
+
+            held.release.set()
+            finished = (await events_until(client, job.job_id, "finished")).finished.result
+            assert finished.status == v1.JOB_STATUS_SUCCEEDED and finished.reward == 1.0
+            # The program ended: its key died with it.
+            with pytest.raises(openai.AuthenticationError):
+                await outside.models.list()
+            await outside.close()
+    finally:
+        held.release.set()
+        await server.stop()
+    assert provider.busy == 0 and not leftovers(provider)
+
+
+async def test_a_cancel_mid_call_stops_the_program_and_frees_its_sandbox() -> None:
+    held = Held()
+    backend = ScriptedChatBackend(held)
+    server, provider = await served(backend)
+    try:
+        async with Client.connect(server.address) as client:
+            job = (await client.submit(command_request("What is 6 * 7?", "42"))).job
+            await assert_eventually(lambda: backend.in_flight == 1, message="the program never called the model")
+            cancelled = await client.cancel(job.job_id, reason="test")
+            assert cancelled.status == v1.JOB_STATUS_CANCELLED
+            assert backend.in_flight == 0  # its model call was aborted
+            assert provider.busy == 0 and not leftovers(provider)  # the program's process tree is gone with it
+    finally:
+        held.release.set()
+        await server.stop()

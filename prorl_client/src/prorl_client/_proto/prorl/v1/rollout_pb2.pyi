@@ -298,7 +298,7 @@ class Job(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., phase: _Optional[_Union[Phase, str]] = ..., handler: _Optional[str] = ..., group_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., result: _Optional[_Union[RolloutResult, _Mapping]] = ...) -> None: ...
 
 class RolloutEvent(_message.Message):
-    __slots__ = ("job_id", "seq", "time", "queued", "phase_started", "model_turn", "tool_call", "tool_result", "evaluation", "finished")
+    __slots__ = ("job_id", "seq", "time", "queued", "phase_started", "model_turn", "tool_call", "tool_result", "evaluation", "finished", "gateway_opened")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +309,7 @@ class RolloutEvent(_message.Message):
     TOOL_RESULT_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_OPENED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     seq: int
     time: _timestamp_pb2.Timestamp
@@ -319,7 +320,18 @@ class RolloutEvent(_message.Message):
     tool_result: ToolResult
     evaluation: Evaluation
     finished: JobFinished
-    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queued: _Optional[_Union[JobQueued, _Mapping]] = ..., phase_started: _Optional[_Union[PhaseStarted, _Mapping]] = ..., model_turn: _Optional[_Union[ModelTurn, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ...) -> None: ...
+    gateway_opened: GatewayOpened
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queued: _Optional[_Union[JobQueued, _Mapping]] = ..., phase_started: _Optional[_Union[PhaseStarted, _Mapping]] = ..., model_turn: _Optional[_Union[ModelTurn, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., gateway_opened: _Optional[_Union[GatewayOpened, _Mapping]] = ...) -> None: ...
+
+class GatewayOpened(_message.Message):
+    __slots__ = ("path", "api_key", "port")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    api_key: str
+    port: int
+    def __init__(self, path: _Optional[str] = ..., api_key: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
 class JobQueued(_message.Message):
     __slots__ = ("queue_position", "attempt")
