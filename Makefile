@@ -81,6 +81,7 @@ bench-sandbox: setup
 
 bench-llm: setup
 	$(PYTHON) bench/llm.py
+	$(PYTHON) bench/gateway_relay.py --provider podman
 
 # 1,000 jobs through one RolloutStream, 64 sandboxes at once; fails unless the server gets back to its baseline.
 bench-load: setup

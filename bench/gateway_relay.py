@@ -5,8 +5,9 @@ A small JSON POST (about 200 bytes each way) is timed by the same client code
 - direct: a client on the host to an aiohttp server on the host's loopback (no relay);
 - gateway: a client inside the sandbox to the gateway at 127.0.0.1, answered by a
   handler in this process (runtime -> Unix socket -> SocketGateway -> handler);
-- gateway+upstream: the same, the handler forwarding the call to the aiohttp server
-  (what a model gateway does).
+- gateway+upstream: the same, the handler forwarding the call to the aiohttp server;
+- model gateway: an OpenAI chat completion through the job's model gateway (relay and
+  protocol layer), the model answering at once: the gateway's whole cost per call.
 Each is run with one kept-alive connection and with a new connection per call. The
 relay's overhead is the gateway figure minus the direct one.
 
@@ -24,14 +25,17 @@ import json
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiohttp import ClientSession, web
 
 from bench.common import default_spec, percentile, podman_provider
+from prorl_server.gateway.app import ModelGateway
+from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.sandbox.base import Sandbox, SandboxProvider
-from prorl_server.sandbox.runtime.relay import HttpRequest, HttpResponse
+from prorl_server.sandbox.runtime.relay import GatewayHandler, HttpRequest, HttpResponse
 
 REPLY = json.dumps({"id": "r-1", "object": "echo", "choices": [{"index": 0, "text": "x" * 120}]}).encode()
 
@@ -46,7 +50,7 @@ def run(port, calls, warmup, keep_alive):
         started = time.perf_counter()
         if connection is None:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        connection.request("POST", "/v1/echo", body=body, headers=headers)
+        connection.request("POST", PATH, body=body, headers=headers)
         response = connection.getresponse()
         data = response.read()
         if not keep_alive:
@@ -61,8 +65,8 @@ print(json.dumps({"keep": run(PORT, CALLS, WARMUP, True), "fresh": run(PORT, CAL
 """
 
 
-def client_code(port: int, calls: int, warmup: int) -> str:
-    return f"PORT = {port}\nCALLS = {calls}\nWARMUP = {warmup}\n{CLIENT}"
+def client_code(port: int, calls: int, warmup: int, path: str = "/v1/echo") -> str:
+    return f"PORT = {port}\nCALLS = {calls}\nWARMUP = {warmup}\nPATH = {path!r}\n{CLIENT}"
 
 
 async def on_host(port: int, calls: int, warmup: int) -> dict[str, list[float]]:
@@ -75,8 +79,10 @@ async def on_host(port: int, calls: int, warmup: int) -> dict[str, list[float]]:
     return samples
 
 
-async def in_sandbox(sandbox: Sandbox, port: int, calls: int, warmup: int) -> dict[str, list[float]]:
-    result = await sandbox.python(client_code(port, calls, warmup), timeout_s=600)
+async def in_sandbox(
+    sandbox: Sandbox, port: int, calls: int, warmup: int, path: str = "/v1/echo"
+) -> dict[str, list[float]]:
+    result = await sandbox.python(client_code(port, calls, warmup, path), timeout_s=600)
     assert not result.is_error, result.output
     samples: dict[str, list[float]] = json.loads(result.output)
     return samples
@@ -118,6 +124,16 @@ async def provider_of(kind: str) -> AsyncIterator[SandboxProvider]:
         await fake.close()
 
 
+def model_gateway() -> ModelGateway:
+    """The job's model gateway (OpenAI chat completions), over a model that answers at once: what the
+    gateway itself costs per call, relay and protocol, beside a direct call to the model (~0)."""
+
+    async def chat(messages: Any, tools: Any, sampling: Sampling) -> ChatResult:
+        return ChatResult(text="x" * 120, finish_reason="stop", prompt_tokens=40, completion_tokens=30)
+
+    return ModelGateway(chat, default_sampling=Sampling(max_tokens=64, temperature=1.0), api_key="k")
+
+
 def line(label: str, samples: list[float]) -> str:
     return (
         f"  {label:<34} p50 {percentile(samples, 50) * 1e3:7.3f} ms   p95 {percentile(samples, 95) * 1e3:7.3f} ms"
@@ -142,11 +158,16 @@ async def main(args: argparse.Namespace) -> None:
         sandbox = await provider.create(default_spec() if args.provider == "podman" else default_spec(image="fake"))
         try:
             results = {"direct (host -> aiohttp)": await on_host(upstream_port, args.calls, args.warmup)}
-            for label, handler in (("gateway (handler in-process)", local), ("gateway -> aiohttp upstream", forward)):
+            cases: list[tuple[str, GatewayHandler, str]] = [
+                ("gateway (handler in-process)", local, "/v1/echo"),
+                ("gateway -> aiohttp upstream", forward, "/v1/echo"),
+                ("model gateway, chat completion", model_gateway(), "/v1/chat/completions"),
+            ]
+            for label, handler, path in cases:
                 gateway = await sandbox.open_gateway(handler)
                 hosts = getattr(gateway, "hosts", ["127.0.0.1"])
                 try:
-                    results[label] = await in_sandbox(sandbox, gateway.port, args.calls, args.warmup)
+                    results[label] = await in_sandbox(sandbox, gateway.port, args.calls, args.warmup, path)
                 finally:
                     await gateway.close()
         finally:
