@@ -57,6 +57,8 @@ class JobGateway:
     """On the sandbox's loopback: http://127.0.0.1:<port>/v1 for OpenAI SDKs, without /v1 for Anthropic's."""
     api_key: str
     """The job's key: refused once the gateway is closed."""
+    outage: Callable[[], InfrastructureError | None] = lambda: None
+    """The backends' failure on the program's latest model call, when none succeeded since."""
 
 
 GatewayOpener = Callable[[Sandbox], AbstractAsyncContextManager[JobGateway]]

@@ -13,7 +13,9 @@ The program runs in the job's sandbox (the task's image for SWE) with the
 job's model gateway on the sandbox's own loopback: OPENAI_BASE_URL,
 OPENAI_API_KEY, ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY point at it (the key
 is the job's and dies with it), PRORL_TASK holds the task as the family's own
-agent would be prompted and PRORL_TASK_FILE names a file with the same text.
+agent would be prompted (when under 64 KiB) and PRORL_TASK_FILE names a file with the same
+text. If the program's last model call failed for want of a backend, the job fails as
+infrastructure.
 The sandbox keeps no network. Every model call goes through the job's LLM
 session (routing, pause/resume, policy versions, exact tokens as chains).
 
@@ -49,7 +51,11 @@ FAMILIES: dict[str, ToolLoopHandler[Any, Any]] = {
     "swe": SWEHandler(),
 }
 MAX_SUBMISSION_BYTES = 1 << 20
-DEFAULT_PROGRAM_TIMEOUT_S = 1800.0
+DEFAULT_PROGRAM_TIMEOUT_S = 1200.0
+"""Below the default job budget (jobs.default_budget_s, 1800 s), which covers init and eval too."""
+MAX_TASK_ENV_BYTES = 64 << 10
+"""PRORL_TASK only up to this size (an environment string has at most 128 KiB on Linux); the
+file PRORL_TASK_FILE always holds the whole task."""
 # Shells report a command that could not be found or run with these statuses.
 NOT_RUNNABLE = (126, 127)
 EnvName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -136,12 +142,15 @@ class CommandHandler(AgentHandler[CommandTask, ProgramOutcome]):
                 "OPENAI_API_KEY": gateway.api_key,
                 "ANTHROPIC_BASE_URL": base,
                 "ANTHROPIC_API_KEY": gateway.api_key,
-                "PRORL_TASK": task_text,
+                "PRORL_TASK": task_text if len(task_text.encode()) <= MAX_TASK_ENV_BYTES else "",
                 "PRORL_TASK_FILE": f"{folder}/task.txt",
                 **instance.program.env,
             }
             command = self._command(instance, env, stdout=f"{folder}/stdout")
             result = await sandbox.bash(command, timeout_s=float(instance.program.timeout_s))
+            outage = gateway.outage()
+        if outage is not None:  # the program could not reach the model: not the policy's doing
+            raise outage
         if result.exit_code in NOT_RUNNABLE and not ctx.recorder.num_turns:
             raise InfrastructureError(
                 f"the program {instance.program.argv[0]!r} could not be run (exit {result.exit_code}): "

@@ -11,7 +11,7 @@ Matching is on what the program sends back. Its copy of our reply is the
 gateway's rendering of it (tool calls parsed out of the text, ids added), not
 the text the model sampled; it matches when its tool calls (names and
 arguments) are the reply's and its text is part of the sampled text (the
-gateway only removes tool-call markup and reasoning). The chain then sends the
+gateway only removes tool-call markup). The chain then sends the
 sampled text in its place, so the template renders what the model really
 produced. Anything else (an edited reply, a changed message, other tools) is
 a rewritten history: a new chain.
@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prorl_server.errors import LLMError
 from prorl_server.gateway.common import read_reply
 from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.llm.job_chat import JobChat
@@ -103,8 +104,11 @@ class Chain:
     history: list[Message | _Reply] = field(default_factory=list)
     """The program's messages so far, with the model's replies in their place."""
     awaiting: bool = False
-    """The last call has no reply (under way, or failed): only the same call again (a resend)
-    may continue the chain."""
+    """The last call got no reply (it failed, or was cancelled): only the same call again (a
+    resend) may continue the chain."""
+    in_flight: bool = False
+    """A call is under way: no other call joins the chain meanwhile (not even an identical one:
+    calls side by side are separate samples)."""
     calls: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     """Per token: the policy version of the call that added it."""
@@ -112,7 +116,7 @@ class Chain:
     def continuation(self, messages: Sequence[Message]) -> list[Message] | None:
         """The messages to send on this chain for `messages`, or None if they do not extend it."""
         known = len(self.history)
-        if len(messages) < known or (self.awaiting and len(messages) != known):
+        if self.in_flight or len(messages) < known or (self.awaiting and len(messages) != known):
             return None
         sent: list[Message] = []
         for mine, theirs in zip(self.history, messages, strict=False):
@@ -141,6 +145,10 @@ class CallChains:
         self.calls = 0
         self.last_conversation: list[Message] = []
         """The latest call's messages and its reply, as the program sent them and the model wrote it."""
+        self.last_chain: Chain | None = None
+        self.outage: LLMError | None = None
+        """The backends' failure on the latest call, when no call succeeded since: the program could
+        not reach the model (the job fails as infrastructure, not as the policy's doing)."""
 
     def _chain_for(self, messages: Sequence[Message], tools_key: str) -> tuple[Chain, list[Message]]:
         for chain in reversed(self.chains):
@@ -158,18 +166,26 @@ class CallChains:
     ) -> ChatResult:
         """One model call of the program, on the chain it extends (or a new one)."""
         tools_key = json.dumps(list(tools), sort_keys=True, default=str)
-        # No await before `awaiting` is set: calls made side by side go to separate chains.
+        # No await before `in_flight` is set: calls made side by side go to separate chains.
         chain, sent = self._chain_for(messages, tools_key)
         turn = self.calls
         self.calls += 1
-        chain.awaiting = True
+        chain.awaiting = chain.in_flight = True
         chain.history += [dict(m) for m in messages[len(chain.history) :]]
-        before = len(chain.session.token_trajectory()[0])
-        result = await chain.session.chat(sent, tools, sampling)
+        try:
+            result = await chain.session.chat(sent, tools, sampling)
+        except LLMError as exc:  # the backends' failure (a full context is the policy's, not an LLMError)
+            self.outage = exc
+            raise
+        finally:
+            chain.in_flight = False
+        self.outage = None
         chain.awaiting = False
-        after = len(chain.session.token_trajectory()[0])
-        chain.versions += [result.policy_version] * (after - before)
+        # Every token not yet versioned is this call's: its prompt (also one a failed attempt sent)
+        # and its sample.
+        chain.versions += [result.policy_version] * (len(chain.session.token_trajectory()[0]) - len(chain.versions))
         chain.calls.append(turn)
+        self.last_chain = chain
         reply = read_reply(result, parse_calls=bool(tools), id_prefix=f"c{turn}")  # as the gateway answers
         chain.history.append(_Reply(result.text, [(call.name, call.arguments) for call in reply.calls]))
         self.last_conversation = [*[dict(m) for m in messages], {"role": "assistant", "content": result.text}]
@@ -178,9 +194,12 @@ class CallChains:
         return result
 
     def token_chains(self) -> list[TokenChain]:
-        """Every chain with tokens (token backends), in the order they started."""
+        """Every chain with tokens (token backends), in the order they started, except that the
+        chain of the latest answered call comes last (what a trajectory's top-level fields hold)."""
         chains = []
-        for chain in self.chains:
+        ordered = [c for c in self.chains if c is not self.last_chain]
+        ordered += [self.last_chain] if self.last_chain is not None else []
+        for chain in ordered:
             token_ids, loss_mask, logprobs = chain.session.token_trajectory()
             if token_ids:
                 spans = chain.session.turn_spans()

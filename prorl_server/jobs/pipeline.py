@@ -111,7 +111,7 @@ class Pipeline:
             try:
                 port = self._gateway_port() or 0
                 job.events.append(gateway_opened=v1.GatewayOpened(path=job_path(job.job_id), api_key=key, port=port))
-                yield JobGateway(handle.port, key)
+                yield JobGateway(handle.port, key, outage=lambda: chains.outage)
             finally:
                 self._gateways.remove(job.job_id)
                 await handle.close()

@@ -245,3 +245,18 @@ async def test_a_cancel_mid_call_stops_the_program_and_frees_its_sandbox() -> No
     finally:
         held.release.set()
         await server.stop()
+
+
+async def test_a_program_that_cannot_reach_the_model_fails_as_infrastructure() -> None:
+    backend = ScriptedChatBackend(lambda messages: ScriptedReply(status=503, error_message="overloaded"))
+    server, provider = await served(backend)
+    try:
+        async with Client.connect(server.address) as client:
+            result = await result_of(client, command_request("What is 6 * 7?", "42"))
+    finally:
+        await server.stop()
+    # The SDK gave up on a 503 and the program crashed: not the policy's doing, so masked out of training.
+    assert result.status == v1.JOB_STATUS_FAILED
+    assert (result.failure.kind, result.failure.phase) == (v1.FAILURE_KIND_INFRASTRUCTURE, v1.PHASE_RUN)
+    assert result.failure.reason == "llm_unavailable"
+    assert provider.busy == 0

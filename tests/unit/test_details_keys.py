@@ -8,6 +8,11 @@ type, and a `verdict` is one of the listed values. The keys a family's
 handler adds itself around its verifier (`answer`, `gold`, `patch`, ...)
 are listed in HANDLER_KEYS, and every documented key must be one of those or
 come out of a verifier: a key in the docs that nothing produces fails too.
+
+The `command` family (an agent program judged by one of the families above)
+is checked by running its own `evaluate` with the math verifier: its table
+lists exactly the keys it adds, and every other key it returns is in the
+verifier's table; its stop reasons are in the "Every family" table.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ from typing import Any
 
 import pytest
 
+from prorl_server.agents.base import RolloutContext
+from prorl_server.agents.command import CommandHandler, ProgramOutcome
+from prorl_server.agents.outcomes import Limits, RunOutcome, StopReason
+from prorl_server.agents.recorder import TrajectoryRecorder
+from prorl_server.llm.base import Sampling
 from prorl_server.sandbox.base import JudgeResult
 from prorl_server.verifiers import math as math_verifier
 from prorl_server.verifiers.code import run_function_tests, run_stdio_tests
@@ -176,6 +186,41 @@ async def swe_details() -> list[dict[str, Any]]:
     return found
 
 
+async def command_details() -> list[dict[str, Any]]:
+    """The command family's details with the math verifier: a program that exited, one that ran out
+    of its time (the runtime reports exit 124), one whose exit status is unknown."""
+    handler = CommandHandler()
+    instance = handler.validate(
+        {"program": {"argv": ["agent"]}, "verifier": "math", "task": {"question": "6 * 7?", "answer": "42"}}
+    )
+
+    async def no_chat(*_: Any) -> Any:
+        raise AssertionError("evaluate calls no model")
+
+    async def no_sandbox() -> Any:
+        raise AssertionError("the math verifier needs no sandbox")
+
+    ctx = RolloutContext(
+        job_id="job",
+        instance=instance,
+        limits=Limits(max_turns=1, tool_timeout_s=1.0),
+        sampling=Sampling(max_tokens=16, temperature=1.0),
+        chat=no_chat,
+        sandbox_factory=no_sandbox,
+        recorder=TrajectoryRecorder(lambda event: None),
+    )
+    found = []
+    cases: list[tuple[StopReason, str | None, int | None]] = [
+        ("program_exit", "42", 0),
+        ("program_timeout", None, 124),
+        ("program_exit", "41", None),
+    ]
+    for stop, answer, exit_code in cases:
+        outcome = ProgramOutcome(stop, answer, exit_code=exit_code, log_tail="a log", judged=RunOutcome(stop, answer))
+        found.append((await handler.evaluate(ctx, outcome)).details)
+    return found
+
+
 @pytest.fixture(scope="module")
 def tables() -> dict[str, dict[str, Row]]:
     return documented()
@@ -224,3 +269,25 @@ async def test_verifier_details_match_the_contract(
             wrong.append(f"documented verdicts that nothing returns: {sorted(listed)}")
     problems = list(dict.fromkeys(wrong))  # one line per problem, however many cases show it
     assert not problems, f"{family}: {DOC.name} disagrees with the verifier:\n  " + "\n  ".join(problems)
+
+
+async def test_command_details_match_the_contract(tables: dict[str, dict[str, Row]]) -> None:
+    assert "command" in tables, f"{DOC.name} has no details table for the command family"
+    own, verifier = tables["command"], tables["math"]
+    wrong = []
+    seen: set[str] = set()
+    for details in await command_details():
+        assert details["verifier"] == "math"
+        for key, value in details.items():
+            seen.add(key)
+            row = own.get(key) or verifier.get(key) or tables["every"].get(key)
+            if row is None:
+                wrong.append(f"key {key!r} (value {value!r}) is in neither the command table nor the verifier's")
+            elif json_type(value) not in row.types:
+                wrong.append(f"key {key!r}: a {json_type(value)} ({value!r}), the table says {sorted(row.types)}")
+        if details["stop_reason"] not in tables["every"]["stop_reason"].values:
+            wrong.append(f"stop_reason {details['stop_reason']!r} is not listed under every family")
+    if set(own) - seen:
+        wrong.append(f"documented command keys that the handler does not set: {sorted(set(own) - seen)}")
+    problems = list(dict.fromkeys(wrong))
+    assert not problems, f"command: {DOC.name} disagrees with the handler:\n  " + "\n  ".join(problems)

@@ -4,6 +4,7 @@ starts another."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import pytest_asyncio
 
 from prorl_server.agents.tool_calls import parse_text
+from prorl_server.errors import LLMError
 from prorl_server.gateway.chains import CallChains
 from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.base import ChatResult, Sampling
@@ -130,3 +132,32 @@ async def test_an_echo_without_text_matches_a_reply_that_was_only_a_tool_call(
     echo = {**echoed(first, "c"), "content": content}
     await chains.chat([*messages, echo, {"role": "tool", "tool_call_id": "c", "content": "x"}], TOOLS, SAMPLING)
     assert [chain.calls for chain in chains.token_chains()] == [[0, 1]]
+
+
+async def test_identical_calls_side_by_side_are_separate_samples(router: tuple[BackendRouter, FakeVLLM]) -> None:
+    backend_router, _ = router
+    chains = CallChains("job", backend_router)
+    messages = [SYSTEM, {"role": "user", "content": "Go."}]
+    await asyncio.gather(chains.chat(messages, TOOLS, SAMPLING), chains.chat(messages, TOOLS, SAMPLING))
+    assert sorted(chain.calls for chain in chains.token_chains()) == [[0], [1]]
+    for chain in chains.token_chains():
+        assert len(chain.policy_versions) == len(chain.token_ids)
+
+
+async def test_a_failed_call_sent_again_continues_its_chain_with_every_token_versioned(
+    router: tuple[BackendRouter, FakeVLLM],
+) -> None:
+    backend_router, server = router
+    chains = CallChains("job", backend_router)
+    messages = [SYSTEM, {"role": "user", "content": "Go."}]
+    first = await chains.chat(messages, TOOLS, SAMPLING)
+    following = [*messages, echoed(first), {"role": "user", "content": "Again."}]
+    server.fail_next = [500]  # the backend answers 500 once (no retries configured)
+    with pytest.raises(LLMError):
+        await chains.chat(following, TOOLS, SAMPLING)
+    assert chains.outage is not None
+    await backend_router.check_health()  # the backend is back
+    await chains.chat(following, TOOLS, SAMPLING)  # the program's SDK retries the same call
+    assert chains.outage is None
+    (chain,) = chains.token_chains()
+    assert chain.calls == [0, 2] and len(chain.policy_versions) == len(chain.token_ids)
