@@ -39,6 +39,63 @@ if stale "$BASE" "$base_digest"; then
     trap - EXIT
 fi
 
+# The project's venv (make exports PYTHON): Debian's python3 has no pip for `pip download`.
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+
+# Python packages an image installs (its folder's requirements.txt: one pin,
+# name==version, a line) are wheels downloaded on the host from PyPI into a
+# cache, for the python of the base image (CPython 3.11, glibc 2.36, x86_64,
+# binaries only); the build gets them in its context, as wheels/.
+WHEEL_CACHE="${PRORL_WHEEL_CACHE:-/var/cache/prorl-wheels}"
+# pip 23 does not count an older glibc's wheels as fitting a newer one: list them all.
+WHEEL_PLATFORMS=(manylinux1_x86_64 manylinux2010_x86_64 manylinux2014_x86_64)
+for glibc_minor in $(seq 17 36); do WHEEL_PLATFORMS+=("manylinux_2_${glibc_minor}_x86_64"); done
+cached_wheels() {  # LOCK: the cached wheel of each pin, one a line; fails when one is missing
+    "$PYTHON" - "$1" "$WHEEL_CACHE" <<'PY'
+import sys
+from pathlib import Path
+
+try:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+    from packaging.version import Version
+except ImportError:  # pip's own copy
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
+    from pip._vendor.packaging.version import Version
+
+lock, cache = Path(sys.argv[1]), Path(sys.argv[2])
+cached = {parse_wheel_filename(wheel.name)[:2]: wheel for wheel in cache.glob("*.whl")}
+missing = 0
+for line in lock.read_text().splitlines():
+    if line.split("#")[0].strip():
+        pin = Requirement(line.split("#")[0])
+        (version,) = (spec.version for spec in pin.specifier if spec.operator == "==")
+        wheel = cached.get((canonicalize_name(pin.name), Version(version)))
+        print(wheel or f"missing: {pin}")
+        missing += wheel is None
+sys.exit(1 if missing else 0)
+PY
+}
+fetch_wheels() {  # LOCK DEST: the lock's wheels into DEST, downloading those the cache lacks
+    install -d -m 0755 "$WHEEL_CACHE"
+    if ! cached_wheels "$1" >/dev/null; then
+        echo "build-images: downloading the wheels of ${1#"$ROOT"/} into $WHEEL_CACHE"
+        # --no-deps: the lock pins every dependency. -qq: errors only (not this host's pip config warnings).
+        "$PYTHON" -m pip download -qq --disable-pip-version-check --no-deps --only-binary=:all: \
+            --implementation cp --python-version 3.11 --abi cp311 "${WHEEL_PLATFORMS[@]/#/--platform=}" \
+            --dest "$WHEEL_CACHE" --requirement "$1"
+    fi
+    local wheels
+    if ! wheels="$(cached_wheels "$1")"; then
+        echo "build-images: wheels still missing after the download:" >&2
+        grep '^missing' <<<"$wheels" >&2
+        exit 1
+    fi
+    mkdir -p "$2"
+    xargs -d '\n' cp -t "$2" <<<"$wheels"
+}
+
 # Containerfiles build from a copy of their folder the sandbox user can read.
 for dir in "$ROOT"/sandbox_images/*/; do
     name="$(basename "$dir")"
@@ -49,6 +106,7 @@ for dir in "$ROOT"/sandbox_images/*/; do
         echo "build-images: $tag"
         ctx="$(mktemp -d /var/tmp/prorl-ctx.XXXXXX)"
         cp -r "$dir". "$ctx"
+        if [[ -f "${dir}requirements.txt" ]]; then fetch_wheels "${dir}requirements.txt" "$ctx/wheels"; fi
         chown -R "$SANDBOX_USER:$SANDBOX_USER" "$ctx"
         as_user podman build --quiet --network none --pull-never --label "prorl.digest=$digest" -t "$tag" "$ctx" >/dev/null
         rm -rf "$ctx"
@@ -57,8 +115,6 @@ done
 
 # SWE tasks: one image per task, holding a real project's repository at the
 # task's base commit; the sources come from PyPI (pip download) on the host.
-# The project's venv (make exports PYTHON): Debian's python3 has no pip for `pip download`.
-PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 swe() { PYTHONPATH="$ROOT" "$PYTHON" -m prorl_server.datasets.swe "$@"; }
 for task in "$ROOT"/sandbox_images/swe/tasks/*/; do
     [[ -f "$task/task.json" ]] || continue

@@ -101,9 +101,23 @@ def _extract(archive: Path, into: Path) -> Path:
             bundle.extractall(into)
     else:
         with tarfile.open(archive) as bundle:
-            bundle.extractall(into, filter="data")
+            if hasattr(tarfile, "data_filter"):
+                bundle.extractall(into, filter="data")
+            else:  # Python before 3.11.4 (Debian 12's 3.11.2): the same refusals, by hand
+                bundle.extractall(into, members=_plain_members(bundle))
     (top,) = [path for path in into.iterdir() if path.is_dir()]
     return top
+
+
+def _plain_members(bundle: tarfile.TarFile) -> list[tarfile.TarInfo]:
+    """The archive's files and folders, refusing what tarfile's "data" filter refuses: absolute
+    paths, paths out of the folder, links, devices (the sdist is pinned by sha256 anyway)."""
+    members = bundle.getmembers()
+    for member in members:
+        parts = Path(member.name).parts
+        if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+            raise SystemExit(f"refusing sdist member {member.name!r}: not a plain file or folder inside it")
+    return members
 
 
 def _git(repo: Path, *args: str) -> str:
