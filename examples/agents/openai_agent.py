@@ -2,6 +2,7 @@
 
     python openai_agent.py "How many lines does /etc/passwd have?"
     python openai_agent.py --task-file task.md
+    python openai_agent.py --max-turns 5 --task-file task.md
 
 The SDK takes the endpoint and key from OPENAI_BASE_URL and OPENAI_API_KEY, as
 a job sets them; in a sandbox run it with /opt/agents/bin/python, which has the
@@ -33,15 +34,18 @@ def bash(command: str) -> str:
     return f"exit status {done.returncode}\n{done.stdout}{done.stderr}"[-10_000:]
 
 
-if len(sys.argv) < 2:
+args, turns = sys.argv[1:], 50
+if args[:1] == ["--max-turns"] and len(args) > 1:
+    turns, args = int(args[1]), args[2:]
+if not args:
     sys.exit(__doc__)
-task = Path(sys.argv[2]).read_text() if sys.argv[1] == "--task-file" else " ".join(sys.argv[1:])
+task = Path(args[1]).read_text() if args[0] == "--task-file" else " ".join(args)
 client = OpenAI()
 messages = [
     {"role": "system", "content": "Solve the task with the bash tool, then call finish with your answer."},
     {"role": "user", "content": task},
 ]
-for _ in range(50):
+for _ in range(turns):
     message = client.chat.completions.create(model="prorl", messages=messages, tools=TOOLS).choices[0].message
     messages.append(message.model_dump(exclude_none=True))
     if not message.tool_calls:
@@ -53,4 +57,4 @@ for _ in range(50):
             sys.exit(0)
         output = bash(arguments.get("command", "")) if call.function.name == "bash" else "no such tool"
         messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
-sys.exit("no answer after 50 model turns")
+sys.exit(f"no answer after {turns} model turns")

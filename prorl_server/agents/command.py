@@ -28,6 +28,7 @@ family then evaluates it exactly as for its own agent, in a fresh sandbox.
 from __future__ import annotations
 
 import shlex
+import string
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -63,6 +64,8 @@ EnvName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 class Program(TaskInstance):
     argv: list[Text] = Field(min_length=1)
+    """The command, no shell; `$PRORL_TASK_FILE` (or any variable the job sets, `${NAME}`) in an
+    argument is replaced by its value."""
     env: dict[EnvName, StrictStr] = {}
     cwd: StrictStr | None = None
     """Absolute; default: the sandbox's working directory (SWE: the repository)."""
@@ -177,7 +180,8 @@ class CommandHandler(AgentHandler[CommandTask, ProgramOutcome]):
     def _command(instance: CommandTask, env: dict[str, str], *, stdout: str) -> str:
         program = instance.program
         assignments = " ".join(f"{name}={shlex.quote(value)}" for name, value in env.items())
-        argv = " ".join(shlex.quote(arg) for arg in program.argv)
+        # $PRORL_TASK_FILE (and the job's other variables) may stand in the argv, e.g. --task-file $PRORL_TASK_FILE.
+        argv = " ".join(shlex.quote(string.Template(arg).safe_substitute(env)) for arg in program.argv)
         cd = f"cd {shlex.quote(program.cwd)} && " if program.cwd else ""
         return f"{cd}env {assignments} {argv} </dev/null >{shlex.quote(stdout)}"
 
