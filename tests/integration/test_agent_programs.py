@@ -32,7 +32,7 @@ def bash_call(command: str) -> str:
     return f"<tool_call>{json.dumps({'name': 'bash', 'arguments': {'command': command}})}</tool_call>"
 
 
-def mini_swe_agent(instance: dict[str, Any], *, right: bool) -> Callable[[list[int]], str]:
+def mini_swe_agent(instance: dict[str, Any], *, right: bool) -> Callable[[str], str]:
     """The model's side: write the upstream fix (or a wrong one), apply it, submit. The step is
     read from the prompt: how many replies the model has given so far."""
     fix = instance["patch"] if right else "not a patch\n"
@@ -46,6 +46,11 @@ def mini_swe_agent(instance: dict[str, Any], *, right: bool) -> Callable[[list[i
         return steps[min(prompt_text.count("<|im_start|>assistant") - 1, len(steps) - 1)]
 
     return reply
+
+
+def model(vllm: FakeVLLM, reply: Callable[[str], str]) -> Callable[[list[int]], str]:
+    """The fake vLLM's script: `reply` reads the prompt as text, special tokens included."""
+    return lambda prompt: reply(vllm.tokenizer.decode(prompt, skip_special_tokens=False))
 
 
 def command_request(instance: dict[str, Any]) -> v1.RolloutRequest:
@@ -89,7 +94,7 @@ async def test_mini_swe_agent_resolves_each_shipped_task_through_the_gateway(
 ) -> None:
     vllm, folder = fake_vllm
     instance = TASKS[name]
-    vllm.script = lambda prompt: mini_swe_agent(instance, right=True)(vllm.tokenizer.decode(prompt, skip_special_tokens=False))
+    vllm.script = model(vllm, mini_swe_agent(instance, right=True))
     backend = {"id": "vllm", "kind": "vllm", "base_url": f"{vllm.base_url}", "tokenizer_path": str(folder)}
     _, client = await start_server(None, llm={"backends": [backend], "embedded": {"enabled": "never"}})
 
@@ -112,7 +117,7 @@ async def test_mini_swe_agent_resolves_each_shipped_task_through_the_gateway(
 
     if name == sorted(TASKS)[0]:  # a wrong patch scores 0 (one task is enough)
         vllm.requests.clear()
-        vllm.script = lambda prompt: mini_swe_agent(instance, right=False)(vllm.tokenizer.decode(prompt, skip_special_tokens=False))
+        vllm.script = model(vllm, mini_swe_agent(instance, right=False))
         wrong = await run(client, command_request(instance))
         assert wrong.status == v1.JOB_STATUS_SUCCEEDED and wrong.reward == 0.0
         assert wrong.details["verdict"] == "unresolved" and wrong.details["patch"] == ""
