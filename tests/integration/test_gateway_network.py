@@ -10,9 +10,12 @@ import json
 import socket
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
+from prorl_server.gateway.app import ModelGateway
+from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.sandbox.podman import PodmanProvider
 from prorl_server.sandbox.runtime.relay import HttpRequest, HttpResponse
 from tests.conftest import small_spec
@@ -129,3 +132,63 @@ async def test_the_gateway_is_reached_over_loopback_and_nothing_else_is(provider
         assert after.output.strip() == "refused"
     finally:
         await sandbox.close()
+
+
+SDK_PROGRAM = """
+import json, openai, anthropic
+out = {}
+client = openai.OpenAI()
+tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object",
+          "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
+plain = client.chat.completions.create(model="prorl", messages=[{"role": "user", "content": "hi"}])
+out["openai"] = plain.choices[0].message.content
+called = client.chat.completions.create(model="prorl", messages=[{"role": "user", "content": "list"}], tools=tools)
+call = called.choices[0].message.tool_calls[0]
+out["openai_tool"] = [call.function.name, json.loads(call.function.arguments), called.choices[0].finish_reason]
+stream = client.chat.completions.create(model="prorl", messages=[{"role": "user", "content": "hi"}], stream=True)
+out["openai_stream"] = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+claude = anthropic.Anthropic()
+message = claude.messages.create(model="prorl", max_tokens=32, messages=[{"role": "user", "content": "hi"}])
+out["anthropic"] = message.content[0].text
+with claude.messages.stream(model="prorl", max_tokens=32, messages=[{"role": "user", "content": "hi"}]) as events:
+    out["anthropic_stream"] = "".join(events.text_stream)
+used = claude.messages.create(model="prorl", max_tokens=32, messages=[{"role": "user", "content": "list"}],
+                              tools=[{"name": "bash", "input_schema": tools[0]["function"]["parameters"]}])
+block = [b for b in used.content if b.type == "tool_use"][0]
+out["anthropic_tool"] = [block.name, block.input, used.stop_reason]
+print(json.dumps(out))
+"""
+
+
+async def test_the_official_sdks_work_inside_a_network_less_sandbox(provider: PodmanProvider) -> None:
+    """The openai and anthropic SDKs of the image (/opt/agents), streaming and not, with tools and
+    without, against the job's model gateway over the sandbox's loopback."""
+
+    async def chat(messages: Any, tools: Any, sampling: Sampling) -> ChatResult:
+        if tools:
+            return ChatResult(
+                text='<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>',
+                finish_reason="stop",
+                tool_call_parser="hermes",
+            )
+        return ChatResult(text="hello from the gateway", finish_reason="stop")
+
+    gateway_handler = ModelGateway(chat, default_sampling=Sampling(max_tokens=32, temperature=1.0), api_key="k")
+    sandbox = await provider.create(small_spec())
+    try:
+        gateway = await sandbox.open_gateway(gateway_handler)
+        environment = (
+            f"OPENAI_BASE_URL=http://127.0.0.1:{gateway.port}/v1 OPENAI_API_KEY=k "
+            f"ANTHROPIC_BASE_URL=http://127.0.0.1:{gateway.port} ANTHROPIC_API_KEY=k"
+        )
+        await sandbox.write_file("/tmp/sdks.py", SDK_PROGRAM.encode())
+        result = await sandbox.bash(f"env {environment} /opt/agents/bin/python /tmp/sdks.py", timeout_s=120)
+        await gateway.close()
+    finally:
+        await sandbox.close()
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    assert out["openai"] == out["openai_stream"] == "hello from the gateway"
+    assert out["anthropic"] == out["anthropic_stream"] == "hello from the gateway"
+    assert out["openai_tool"] == ["bash", {"command": "ls"}, "tool_calls"]
+    assert out["anthropic_tool"] == ["bash", {"command": "ls"}, "tool_use"]
