@@ -279,6 +279,20 @@ def function_tool(name: str, description: str | None, parameters: Any, path: str
     return {"type": "function", "function": function}
 
 
+def plain_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool] | None:
+    """(tools to send, whether to read calls) for an OpenAI `tool_choice` given as absent, "auto",
+    "none" or "required" (both OpenAI APIs); None for the other forms, which each API reads."""
+    if choice is None or choice == "auto":
+        return tools, bool(tools)
+    if choice == "none":
+        return [], False
+    if choice == "required":
+        if not tools:
+            raise bad_request("tool_choice is 'required' but the request has no tools", "tool_choice")
+        return tools, True
+    return None
+
+
 def only_tool(tools: list[dict[str, Any]], name: str, path: str) -> list[dict[str, Any]]:
     """The tools narrowed to the one a tool_choice names."""
     chosen = [tool for tool in tools if tool["function"]["name"] == name]

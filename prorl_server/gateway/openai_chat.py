@@ -35,6 +35,7 @@ from prorl_server.gateway.common import (
     json_response,
     new_id,
     only_tool,
+    plain_tool_choice,
     sampling_for,
     sse_event,
     sse_response,
@@ -143,14 +144,9 @@ def tools_of(fields: Fields) -> tuple[list[dict[str, Any]], bool]:
             )
         )
     choice = fields.get("tool_choice")
-    if choice is None or choice == "auto":
-        return tools, bool(tools)
-    if choice == "none":
-        return [], False
-    if choice == "required":
-        if not tools:
-            raise bad_request("tool_choice is 'required' but the request has no tools", "tool_choice")
-        return tools, True
+    plain = plain_tool_choice(choice, tools)
+    if plain is not None:
+        return plain
     if isinstance(choice, dict):
         chosen = Fields(choice, "tool_choice")
         choice_kind = chosen.string("type")
