@@ -49,19 +49,20 @@ lint: lint-proto
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy
 
-# Fast, and runs without Podman: the core (job manager, pipeline, tool loop, every
+# Fast, and runs without Podman or PostgreSQL: the core (job manager, pipeline, tool loop, every
 # family, a real gRPC server) against the fake sandbox provider and scripted LLMs.
 test:
-	$(PYTEST) -m "not podman and not e2e and not slow" -q
+	$(PYTEST) -m "not podman and not e2e and not slow and not postgres" -q
 
 # The same fast suite on this machine with the podman command hidden (a private
 # mount namespace): proves `make test` needs no Podman.
 test-without-podman:
-	bash scripts/without_podman.sh $(PYTEST) -m "not podman and not e2e and not slow" -q
+	bash scripts/without_podman.sh $(PYTEST) -m "not podman and not e2e and not slow and not postgres" -q
 
-# The integration layer: real rootless Podman sandboxes, scripted fake LLM.
+# The integration layer: real rootless Podman sandboxes, scripted fake LLM; and the
+# PostgreSQL job store against a throwaway cluster of its own (tests/postgres.py).
 test-integration:
-	$(PYTEST) -m "podman and not e2e and not slow" -q
+	$(PYTEST) -m "(podman or postgres) and not e2e and not slow" -q
 
 # Slow: end to end with the real embedded model, and the long integration runs.
 test-e2e:

@@ -29,7 +29,8 @@ from prorl_server.gateway.directory import GatewayDirectory
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.phases import PhaseGate, phase_gates
 from prorl_server.jobs.pipeline import Pipeline
-from prorl_server.jobs.store import SQLiteJobStore
+from prorl_server.jobs.store import JobStore
+from prorl_server.jobs.store_factory import open_store
 from prorl_server.llm.base import BackendInfo, LLMBackend
 from prorl_server.llm.factory import build_backend
 from prorl_server.llm.llama_cpp_backend import EMBEDDED_MODEL_NAME, LlamaCppBackend
@@ -77,7 +78,7 @@ class ProrlServer:
         self._health: health.aio.HealthServicer | None = None
         self.manager: JobManager | None = None
         self.metrics = Metrics()
-        self._store: SQLiteJobStore | None = None
+        self._store: JobStore | None = None
         self.port = 0
         self._stopped = False
 
@@ -99,19 +100,15 @@ class ProrlServer:
 
     async def _start(self) -> None:
         settings = self.settings
-        box = settings.sandbox
+        # jobs.store: SQLite, PostgreSQL or none; first, so that a store that cannot be
+        # used stops the start before any sandbox or model is started.
+        self._store = await open_store(settings)
         if self._provider is None:
             self._provider = await self._podman_provider()
         await self._provider.start()
         self._sandboxes = SandboxAllocator(self._provider, self._warm_pool_specs())
         self._sandboxes.start()
         await self._start_backends()
-        if settings.jobs.store:
-            path = settings.jobs.store_path or str(
-                Path(box.state_dir) / "jobs" / f"{settings.server.instance_id}.sqlite"
-            )
-            self._store = SQLiteJobStore(path)
-            await self._store.open()
         if settings.server.gateway_port is not None:
             self._gateway_server = GatewayServer(
                 self._gateways, host=settings.server.host, port=settings.server.gateway_port
@@ -126,7 +123,11 @@ class ProrlServer:
             gateway_port=lambda: self.gateway_port,
         )
         self.manager = JobManager(
-            settings=settings, registry=self._registry, pipeline=pipeline, metrics=self.metrics, store=self._store
+            settings=settings,
+            registry=self._registry,
+            pipeline=pipeline,
+            metrics=self.metrics,
+            store=self._store,
         )
         await self.manager.restore()
         if settings.server.metrics_port is not None:

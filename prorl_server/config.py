@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,12 +100,20 @@ class JobSettings(_Section):
     default_tool_timeout_s: float = Field(30.0, gt=0)
     max_instance_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     """Largest task instance accepted, as serialized protobuf."""
-    store: bool = True
-    """Keep jobs in a SQLite file so that they survive a restart."""
+    store: bool | str = True
+    """Where jobs are kept so that they survive a restart: true, a SQLite file (store_path);
+    a postgresql:// (or postgres://) URL, that PostgreSQL database; false, nowhere."""
     store_path: str | None = None
     """The SQLite file; None: <sandbox.state_dir>/jobs/<server.instance_id>.sqlite."""
     retain_finished_s: float = Field(7 * 24 * 3600.0, gt=0)
     """How long the store keeps finished jobs."""
+
+    @field_validator("store")
+    @classmethod
+    def _store_kind(cls, value: bool | str) -> bool | str:
+        if isinstance(value, str) and not value.lower().startswith(("postgresql://", "postgres://")):
+            raise ValueError("expected true (SQLite), false (no store) or a postgresql:// URL")
+        return value
 
     @model_validator(mode="after")
     def _defaults_within_maxima(self) -> JobSettings:
@@ -290,6 +299,8 @@ def _describe(error: ValidationError) -> str:
     for problem in error.errors():
         where = ".".join(str(part) for part in problem["loc"]) or "(root)"
         got = problem.get("input")
+        if isinstance(got, str):  # a URL's password is never echoed back
+            got = re.sub(r"(//[^/@:]*):[^/@]*@", r"\1:***@", got)
         detail = problem["msg"]
         if problem["type"] == "extra_forbidden":
             detail = "unknown setting (check the spelling against docs/operations.md)"

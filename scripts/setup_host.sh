@@ -18,6 +18,11 @@ APT_PACKAGES+=(golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev
 # the headers llama-cpp-python builds against; chromium: the viewer's browser test.
 APT_PACKAGES+=(python3-venv python3-dev chromium)
 
+# The PostgreSQL job store's tests (marker `postgres`) start a throwaway cluster of their
+# own with these server binaries (tests/postgres.py); the system cluster this package
+# starts is not used by them.
+APT_PACKAGES+=(postgresql)
+
 # npx runs buf (the contract's linter) from the npm registry.
 command -v npx >/dev/null 2>&1 || APT_PACKAGES+=(npm)
 

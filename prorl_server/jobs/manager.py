@@ -29,7 +29,7 @@ from prorl_server.errors import (
 from prorl_server.jobs.event_log import EventLog
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
-from prorl_server.jobs.store import SQLiteJobStore, StoredJob
+from prorl_server.jobs.store import JobStore, StoredJob
 from prorl_server.jobs.uninterruptible import uninterruptible
 from prorl_server.jobs.validation import check_cancel_reason, check_job_id, resolve_plan
 from prorl_server.metrics import Metrics
@@ -49,7 +49,7 @@ class JobManager:
         registry: HandlerRegistry,
         pipeline: Pipeline,
         metrics: Metrics | None = None,
-        store: SQLiteJobStore | None = None,
+        store: JobStore | None = None,
     ) -> None:
         self._settings = settings
         self._registry = registry

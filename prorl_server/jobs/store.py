@@ -1,48 +1,39 @@
-"""The durable job store: SQLite, embedded, one file per server.
+"""The durable job store: what every implementation keeps, and the interface.
 
 What it keeps: every job's request at submission, and at the end its status,
 result and whole event log. So after a restart GetJob, ListJobs and Watch of
 finished jobs still work, Submit of a known job id returns the stored job,
 and a job that was running when the server died is reported as failed
-(infrastructure, "interrupted"). Finished jobs are kept for
-`jobs.retain_finished_s`.
+(infrastructure, "interrupted"), or run again when its retry policy allows.
+Finished jobs are kept for `jobs.retain_finished_s`.
 
-sqlite3 is synchronous: every call runs in a single worker thread, never on
-the event loop.
+Two implementations, chosen by the setting `jobs.store` (see store_factory.py):
+SQLite, embedded, one file per server (sqlite_store.py), and PostgreSQL
+(postgres_store.py). Every method is async and never blocks the event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
-import sqlite3
+import abc
 import struct
-import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from prorl_client import v1
+from prorl_server.errors import ProrlError
 
-T = TypeVar("T")
+if TYPE_CHECKING:  # at run time through __getattr__ below (sqlite_store imports this module)
+    from prorl_server.jobs.sqlite_store import SQLiteJobStore as SQLiteJobStore
+
 FRAME = struct.Struct(">I")
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY,
-    number INTEGER NOT NULL,
-    request BLOB NOT NULL,
-    fingerprint BLOB NOT NULL,
-    status INTEGER NOT NULL,
-    create_time REAL NOT NULL,
-    end_time REAL,
-    result BLOB,
-    events BLOB,
-    attempt INTEGER NOT NULL DEFAULT 1
-);
-CREATE INDEX IF NOT EXISTS jobs_end_time ON jobs (end_time);
-"""
+
+class JobStoreError(ProrlError):
+    """The job store cannot be used: unreachable, refused, or a schema this server does not know."""
+
+    reason = "job_store"
 
 
 @dataclass(frozen=True)
@@ -57,6 +48,41 @@ class StoredJob:
     result: v1.RolloutResult | None
     events: list[v1.RolloutEvent]
     attempt: int = 1
+
+
+class JobStore(abc.ABC):
+    """Where jobs survive a restart. `open` before any other call, `close` at the end."""
+
+    @abc.abstractmethod
+    async def open(self) -> None:
+        """Connect (create or migrate the schema); raises JobStoreError saying why not."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def submitted(
+        self,
+        job_id: str,
+        number: int,
+        request: v1.RolloutRequest,
+        fingerprint: bytes,
+        created: float,
+        attempt: int = 1,
+    ) -> None:
+        """A job was admitted (or started again: `attempt` counts its runs). Idempotent:
+        the job's row is (re)written as queued, without result or events."""
+
+    @abc.abstractmethod
+    async def finished(
+        self, job_id: str, status: int, end_time: float, result: v1.RolloutResult, events: list[v1.RolloutEvent]
+    ) -> None:
+        """A job ended: its status, result and whole event log (a job never submitted: no-op)."""
+
+    @abc.abstractmethod
+    async def load(self, retain_s: float) -> list[StoredJob]:
+        """Every job kept, oldest (lowest number) first; finished jobs older than `retain_s`
+        are deleted first."""
 
 
 def pack_events(events: Iterable[v1.RolloutEvent]) -> bytes:
@@ -77,98 +103,28 @@ def unpack_events(blob: bytes | None) -> list[v1.RolloutEvent]:
     return events
 
 
-class SQLiteJobStore:
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-store")
-        self._db: sqlite3.Connection | None = None
-
-    async def _call(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
-        if "attempt" not in columns:  # a store written before retries existed
-            self._db.execute("ALTER TABLE jobs ADD COLUMN attempt INTEGER NOT NULL DEFAULT 1")
-        self._db.commit()
-
-    @property
-    def db(self) -> sqlite3.Connection:
-        assert self._db is not None, "job store not opened"
-        return self._db
-
-    async def open(self) -> None:
-        await self._call(self._open)
-
-    async def close(self) -> None:
-        if self._db is not None:
-            await self._call(self.db.close)
-            self._db = None
-        self._executor.shutdown(wait=True)
-
-    def _submitted(
-        self, job_id: str, number: int, request: bytes, fingerprint: bytes, created: float, attempt: int
-    ) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO jobs (job_id, number, request, fingerprint, status, create_time, attempt) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (job_id, number, request, fingerprint, v1.JOB_STATUS_QUEUED, created, attempt),
+def mask_url(url: str) -> str:
+    """A database URL fit for messages and logs: its password (in the user part or
+    a `password=` parameter) replaced by ***."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, hostport = netloc.rpartition("@")
+            user, colon, _password = userinfo.partition(":")
+            netloc = f"{user}:***@{hostport}" if colon else netloc
+        query = urlencode(
+            [(key, "***" if key.lower() == "password" else value) for key, value in parse_qsl(parts.query)], safe="/*"
         )
-        self.db.commit()
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:
+        return f"{url.partition(':')[0]}://***"
 
-    async def submitted(
-        self,
-        job_id: str,
-        number: int,
-        request: v1.RolloutRequest,
-        fingerprint: bytes,
-        created: float,
-        attempt: int = 1,
-    ) -> None:
-        """A job was admitted (or started again: `attempt` counts its runs)."""
-        await self._call(self._submitted, job_id, number, request.SerializeToString(), fingerprint, created, attempt)
 
-    def _finished(self, job_id: str, status: int, end_time: float, result: bytes, events: bytes) -> None:
-        self.db.execute(
-            "UPDATE jobs SET status = ?, end_time = ?, result = ?, events = ? WHERE job_id = ?",
-            (status, end_time, result, events, job_id),
-        )
-        self.db.commit()
+def __getattr__(name: str) -> Any:
+    """`from prorl_server.jobs.store import SQLiteJobStore` keeps working (it moved to sqlite_store.py)."""
+    if name == "SQLiteJobStore":
+        from prorl_server.jobs.sqlite_store import SQLiteJobStore
 
-    async def finished(
-        self, job_id: str, status: int, end_time: float, result: v1.RolloutResult, events: list[v1.RolloutEvent]
-    ) -> None:
-        await self._call(self._finished, job_id, status, end_time, result.SerializeToString(), pack_events(events))
-
-    def _load(self, keep_after: float) -> list[StoredJob]:
-        self.db.execute("DELETE FROM jobs WHERE end_time IS NOT NULL AND end_time < ?", (keep_after,))
-        self.db.commit()
-        rows = self.db.execute(
-            "SELECT job_id, number, request, fingerprint, status, create_time, end_time, result, events, attempt "
-            "FROM jobs ORDER BY number"
-        ).fetchall()
-        return [
-            StoredJob(
-                job_id=row[0],
-                number=row[1],
-                request=v1.RolloutRequest.FromString(row[2]),
-                fingerprint=row[3],
-                status=row[4],
-                create_time=row[5],
-                end_time=row[6],
-                result=v1.RolloutResult.FromString(row[7]) if row[7] is not None else None,
-                events=unpack_events(row[8]),
-                attempt=row[9],
-            )
-            for row in rows
-        ]
-
-    async def load(self, retain_s: float) -> list[StoredJob]:
-        """Every job kept, oldest first; finished jobs older than `retain_s` are dropped first."""
-        result: list[StoredJob] = await self._call(self._load, time.time() - retain_s)
-        return result
+        return SQLiteJobStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,278 @@
+"""The PostgreSQL job store (`jobs.store = "postgresql://..."`), on asyncpg.
+
+Schema (see MIGRATIONS; times are Unix seconds, as time.time() gives them):
+
+    jobs        one row per job: job_id (primary key), number, request,
+                fingerprint, status, create_time, end_time (NULL until it
+                ended), result (NULL until it ended), attempt; and, for the
+                servers that will share a database, server_id (the server that
+                last ran the job; written, not read yet) and lease_expires
+                (NULL: no leases yet).
+    job_events  a finished job's event log, one row per event keyed by
+                (job_id, seq), so that another server can read a job's events
+                in order or from a given seq; deleted with their job.
+    schema_migrations  the migrations applied: version, applied_at, description.
+
+Migrations are ordered SQL steps applied by `open()` in one transaction that
+first takes a transaction-level advisory lock: servers starting together
+apply each one exactly once, the others wait and find them done. A database
+whose schema is newer than this code knows is refused.
+
+One server per database for now: `load` returns every job in the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import asyncpg
+
+from prorl_client import v1
+from prorl_server.jobs.store import JobStore, JobStoreError, StoredJob, mask_url
+
+# pg_advisory_xact_lock key of the schema migrations: "prorljob" in ASCII.
+SCHEMA_LOCK_KEY = 0x70726F726C6A6F62
+CONNECT_TIMEOUT_S = 10.0
+COMMAND_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    description: str
+    sql: str
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "jobs and their events",
+        """
+        CREATE TABLE jobs (
+            job_id TEXT PRIMARY KEY,
+            number BIGINT NOT NULL,
+            request BYTEA NOT NULL,
+            fingerprint BYTEA NOT NULL,
+            status INTEGER NOT NULL,
+            create_time DOUBLE PRECISION NOT NULL,
+            end_time DOUBLE PRECISION,
+            result BYTEA,
+            attempt INTEGER NOT NULL DEFAULT 1,
+            server_id TEXT,
+            lease_expires DOUBLE PRECISION
+        );
+        CREATE INDEX jobs_number ON jobs (number);
+        CREATE INDEX jobs_end_time ON jobs (end_time) WHERE end_time IS NOT NULL;
+        CREATE TABLE job_events (
+            job_id TEXT NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
+            seq BIGINT NOT NULL,
+            event BYTEA NOT NULL,
+            PRIMARY KEY (job_id, seq)
+        );
+        """,
+    ),
+)
+
+SCHEMA_MIGRATIONS = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version INTEGER PRIMARY KEY,
+    applied_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    description TEXT NOT NULL DEFAULT ''
+)
+"""
+
+SUBMITTED = """
+WITH dropped AS (DELETE FROM job_events WHERE job_id = $1)
+INSERT INTO jobs (job_id, number, request, fingerprint, status, create_time, attempt, server_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+ON CONFLICT (job_id) DO UPDATE SET
+    number = EXCLUDED.number, request = EXCLUDED.request, fingerprint = EXCLUDED.fingerprint,
+    status = EXCLUDED.status, create_time = EXCLUDED.create_time, attempt = EXCLUDED.attempt,
+    server_id = EXCLUDED.server_id, end_time = NULL, result = NULL, lease_expires = NULL
+"""
+
+
+class PostgresJobStore(JobStore):
+    """`url`: postgresql://user:password@host:port/database (a Unix socket folder as
+    `?host=/path`); `server_id` is recorded on the jobs this server runs."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        server_id: str = "",
+        max_connections: int = 8,
+        migrations: Sequence[Migration] = MIGRATIONS,
+    ) -> None:
+        self.url = url
+        self.server_id = server_id
+        self._max_connections = max_connections
+        self._migrations = sorted(migrations, key=lambda m: m.version)
+        self._pool: asyncpg.Pool | None = None
+
+    def __repr__(self) -> str:
+        return f"PostgresJobStore({mask_url(self.url)!r})"
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        assert self._pool is not None, "job store not opened"
+        return self._pool
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    async def open(self) -> None:
+        try:
+            self._pool = await asyncpg.create_pool(
+                dsn=self.url,
+                min_size=1,
+                max_size=self._max_connections,
+                timeout=CONNECT_TIMEOUT_S,
+                command_timeout=COMMAND_TIMEOUT_S,
+                server_settings={"application_name": f"prorl-server {self.server_id}".strip()[:63]},
+            )
+        except Exception as exc:
+            raise JobStoreError(f"{self._name()}: cannot connect: {self._reason(exc)}") from None
+        try:
+            await self.migrate()
+        except JobStoreError:
+            await self.close()
+            raise
+        except Exception as exc:
+            await self.close()
+            raise JobStoreError(f"{self._name()}: cannot apply the schema migrations: {self._reason(exc)}") from None
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        try:
+            await asyncio.wait_for(pool.close(), CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            pool.terminate()
+
+    async def migrate(self) -> list[int]:
+        """Apply the migrations this database lacks, once even with several servers
+        starting together; returns the versions applied now."""
+        known = self._migrations[-1].version if self._migrations else 0
+        applied_now: list[int] = []
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
+            await conn.execute(SCHEMA_MIGRATIONS)
+            applied = {row["version"] for row in await conn.fetch("SELECT version FROM schema_migrations")}
+            newest = max(applied, default=0)
+            if newest > known:
+                raise JobStoreError(
+                    f"{self._name()}: its schema is at version {newest}, newer than this server knows ({known}); "
+                    "a newer prorl-server wrote it: upgrade this server, or give it a database of its own"
+                )
+            for migration in self._migrations:
+                if migration.version in applied:
+                    continue
+                await conn.execute(migration.sql)
+                await conn.execute(
+                    "INSERT INTO schema_migrations (version, description) VALUES ($1, $2)",
+                    migration.version,
+                    migration.description,
+                )
+                applied_now.append(migration.version)
+        return applied_now
+
+    # --- the store -----------------------------------------------------------------
+
+    async def submitted(
+        self,
+        job_id: str,
+        number: int,
+        request: v1.RolloutRequest,
+        fingerprint: bytes,
+        created: float,
+        attempt: int = 1,
+    ) -> None:
+        await self.pool.execute(
+            SUBMITTED,
+            job_id,
+            number,
+            request.SerializeToString(),
+            fingerprint,
+            v1.JOB_STATUS_QUEUED,
+            created,
+            attempt,
+            self.server_id or None,
+        )
+
+    async def finished(
+        self, job_id: str, status: int, end_time: float, result: v1.RolloutResult, events: list[v1.RolloutEvent]
+    ) -> None:
+        records = [(job_id, event.seq, event.SerializeToString()) for event in events]
+        async with self.pool.acquire() as conn, conn.transaction():
+            updated = await conn.execute(
+                "UPDATE jobs SET status = $2, end_time = $3, result = $4 WHERE job_id = $1",
+                job_id,
+                status,
+                end_time,
+                result.SerializeToString(),
+            )
+            if updated == "UPDATE 0":  # never submitted (as with SQLite: nothing to record)
+                return
+            await conn.execute("DELETE FROM job_events WHERE job_id = $1", job_id)
+            if records:
+                await conn.copy_records_to_table("job_events", records=records, columns=("job_id", "seq", "event"))
+
+    async def load(self, retain_s: float) -> list[StoredJob]:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("DELETE FROM jobs WHERE end_time < $1", time.time() - retain_s)
+            jobs = await conn.fetch(
+                "SELECT job_id, number, request, fingerprint, status, create_time, end_time, result, attempt "
+                "FROM jobs ORDER BY number"
+            )
+            events = await conn.fetch("SELECT job_id, event FROM job_events ORDER BY job_id, seq")
+        # Parsing every request, result and event is CPU work: off the event loop.
+        return await asyncio.to_thread(_decode, jobs, events)
+
+    # --- messages ----------------------------------------------------------------------
+
+    def _name(self) -> str:
+        return f"job store {mask_url(self.url)} (setting 'jobs.store')"
+
+    def _reason(self, exc: BaseException) -> str:
+        text = str(exc) or type(exc).__name__
+        password = _password(self.url)
+        if password:
+            text = text.replace(password, "***")
+        return f"{text} ({type(exc).__name__})"
+
+
+def _password(url: str) -> str:
+    try:
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query))
+        return parts.password or query.get("password", "")
+    except ValueError:
+        return ""
+
+
+def _decode(jobs: Sequence[Any], events: Sequence[Any]) -> list[StoredJob]:
+    logs: dict[str, list[v1.RolloutEvent]] = {}
+    for row in events:
+        logs.setdefault(row["job_id"], []).append(v1.RolloutEvent.FromString(row["event"]))
+    return [
+        StoredJob(
+            job_id=row["job_id"],
+            number=row["number"],
+            request=v1.RolloutRequest.FromString(row["request"]),
+            fingerprint=row["fingerprint"],
+            status=row["status"],
+            create_time=row["create_time"],
+            end_time=row["end_time"],
+            result=v1.RolloutResult.FromString(row["result"]) if row["result"] is not None else None,
+            events=logs.get(row["job_id"], []),
+            attempt=row["attempt"],
+        )
+        for row in jobs
+    ]
