@@ -1,15 +1,22 @@
-"""A job's events: appended in order, replayed and followed by any number of watchers."""
+"""A job's events: appended in order, replayed and followed by any number of watchers.
+
+Listeners (add_listener) are told of each event as it is appended, synchronously:
+the job manager's EventWriter uses this to send running jobs' events to the store.
+A listener must be quick and must not raise.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from prorl_client import v1
+
+Listener = Callable[[v1.RolloutEvent], None]
 
 
 class EventLog:
@@ -18,14 +25,24 @@ class EventLog:
         self._events: list[v1.RolloutEvent] = []
         self._changed = asyncio.Event()
         self.closed = False
+        self._listeners: list[Listener] = []
 
     @classmethod
-    def restored(cls, job_id: str, events: list[v1.RolloutEvent]) -> EventLog:
-        """A closed log holding the events of a job that finished before a restart."""
+    def restored(cls, job_id: str, events: list[v1.RolloutEvent], *, closed: bool = True) -> EventLog:
+        """A log holding the events of a job stored before a restart (seq 1..n, in order);
+        closed unless `closed=False` (more events are to be appended)."""
         log = cls(job_id)
         log._events = list(events)
-        log.closed = True
+        log.closed = closed
         return log
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call `listener(event)` for every event appended from now on."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     @property
     def last_seq(self) -> int:
@@ -40,6 +57,8 @@ class EventLog:
         event = v1.RolloutEvent(job_id=self.job_id, seq=len(self._events) + 1, time=stamp, **kind)
         self._events.append(event)
         self._notify()
+        for listener in tuple(self._listeners):
+            listener(event)
         return event
 
     def close(self) -> None:

@@ -1,6 +1,8 @@
 """The job manager: admission, idempotency, cancel, watch, listing, retention.
 
 Every job runs as one asyncio task owned here; shutdown awaits them all.
+With a store, a job's events reach it as they happen through the manager's
+EventWriter (event_writer.py), whose task shutdown awaits too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from prorl_server.errors import (
     Unavailable,
 )
 from prorl_server.jobs.event_log import EventLog
+from prorl_server.jobs.event_writer import EventWriter
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
 from prorl_server.jobs.store import JobStore, StoredJob
@@ -55,6 +58,7 @@ class JobManager:
         self._registry = registry
         self._metrics = metrics
         self._store = store
+        self._writer = EventWriter(store) if store is not None else None
         self._pipeline = pipeline
         self._jobs: dict[str, JobRecord] = {}
         self._finished: collections.deque[str] = collections.deque()
@@ -127,11 +131,15 @@ class JobManager:
                 except asyncio.CancelledError:
                     # Cancelled this early: the pipeline sees cancel_reason and ends the job as cancelled.
                     asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                if self._writer is not None:  # the job's row exists: its events can follow
+                    self._writer.track(job.events)
             await self._pipeline.execute(job)
         finally:
             await uninterruptible(self._conclude(job))
 
     async def _conclude(self, job: JobRecord) -> None:
+        if self._writer is not None:  # no append of the job may land after its `finished`
+            await self._writer.finish(job.job_id)
         if self._store is not None and job.result is not None:
             await self._persist(job)
         self._retire(job)
@@ -148,22 +156,41 @@ class JobManager:
     async def restore(self) -> int:
         """Load the store: finished jobs come back as they were; jobs that were
         running when the server died start again if their retry policy allows,
-        and are failed as interrupted otherwise. Returns how many jobs were loaded."""
+        and are failed as interrupted otherwise (after the events they had stored).
+        A job whose stored events end with its `finished` event (the server died
+        before writing its outcome) comes back finished with that result.
+        Returns how many jobs were loaded."""
         if self._store is None:
             return 0
         stored = await self._store.load(self._settings.jobs.retain_finished_s)
         for item in stored:
-            if item.result is None and item.attempt <= item.request.retry.max_restarts and self._restart(item):
+            events = item.events
+            ended = None
+            if item.result is None:
+                events = _contiguous(item.job_id, events)
+                if events and events[-1].HasField("finished"):
+                    ended = events[-1]
+            if (
+                item.result is None
+                and ended is None
+                and item.attempt <= item.request.retry.max_restarts
+                and self._restart(item)
+            ):
                 continue
             job = _stored_record(
                 item,
                 plan=None,
-                events=EventLog.restored(item.job_id, item.events),
+                events=EventLog.restored(item.job_id, events),
                 status=item.status,
                 end_time=item.end_time,
                 result=item.result,
             )
-            if item.result is None:
+            if ended is not None:
+                job.result = ended.finished.result
+                job.status = ended.finished.result.status
+                job.end_time = ended.time.ToNanoseconds() / 1e9
+                await self._persist(job)
+            elif item.result is None:
                 self._interrupted(job)
                 await self._persist(job)
             self._jobs[job.job_id] = job
@@ -201,7 +228,8 @@ class JobManager:
         )
         job.status = v1.JOB_STATUS_FAILED
         job.end_time = time.time()
-        job.events = EventLog(job.job_id)
+        # The events it had stored (seq 1..n), then its end as seq n + 1.
+        job.events = EventLog.restored(job.job_id, job.events.events(), closed=False)
         job.events.append(finished=v1.JobFinished(result=job.result))
         job.events.close()
 
@@ -298,6 +326,8 @@ class JobManager:
                 self._request_cancel(job, "the server is shutting down")
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self._writer is not None:
+            await self._writer.close()
 
 
 def _with_job_id(request: v1.RolloutRequest, job_id: str) -> v1.RolloutRequest:
@@ -305,6 +335,17 @@ def _with_job_id(request: v1.RolloutRequest, job_id: str) -> v1.RolloutRequest:
     copy.CopyFrom(request)
     copy.job_id = job_id
     return copy
+
+
+def _contiguous(job_id: str, events: list[v1.RolloutEvent]) -> list[v1.RolloutEvent]:
+    """The stored events of an unfinished job with seq 1, 2, ... up to the first
+    missing one (events the EventWriter dropped while the store was failing)."""
+    kept = 0
+    while kept < len(events) and events[kept].seq == kept + 1:
+        kept += 1
+    if kept < len(events):
+        log.warning("job_events_gap", job_id=job_id, kept=kept, discarded=len(events) - kept)
+    return events[:kept]
 
 
 def _stored_record(item: StoredJob, **fields: Any) -> JobRecord:

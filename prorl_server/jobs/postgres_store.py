@@ -8,9 +8,10 @@ Schema (see MIGRATIONS; times are Unix seconds, as time.time() gives them):
                 servers that will share a database, server_id (the server that
                 last ran the job; written, not read yet) and lease_expires
                 (NULL: no leases yet).
-    job_events  a finished job's event log, one row per event keyed by
-                (job_id, seq), so that another server can read a job's events
-                in order or from a given seq; deleted with their job.
+    job_events  a job's event log, one row per event keyed by (job_id, seq),
+                so that another server can read a job's events in order or
+                from a given seq: appended while the job runs (`appended`),
+                replaced by the whole log when it ends; deleted with their job.
     schema_migrations  the migrations applied: version, applied_at, description.
 
 Migrations are ordered SQL steps applied by `open()` in one transaction that
@@ -95,6 +96,14 @@ ON CONFLICT (job_id) DO UPDATE SET
     number = EXCLUDED.number, request = EXCLUDED.request, fingerprint = EXCLUDED.fingerprint,
     status = EXCLUDED.status, create_time = EXCLUDED.create_time, attempt = EXCLUDED.attempt,
     server_id = EXCLUDED.server_id, end_time = NULL, result = NULL, lease_expires = NULL
+"""
+
+# Events of a running job: only for a job that has a row (a job never submitted, or
+# deleted since: nothing), a seq already there is kept (idempotent).
+APPENDED = """
+INSERT INTO job_events (job_id, seq, event)
+SELECT $1, $2, $3 WHERE EXISTS (SELECT 1 FROM jobs WHERE job_id = $1)
+ON CONFLICT (job_id, seq) DO NOTHING
 """
 
 
@@ -205,6 +214,13 @@ class PostgresJobStore(JobStore):
             attempt,
             self.server_id or None,
         )
+
+    async def appended(self, job_id: str, events: Sequence[v1.RolloutEvent]) -> None:
+        if not events:
+            return
+        records = [(job_id, event.seq, event.SerializeToString()) for event in events]
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.executemany(APPENDED, records)
 
     async def finished(
         self, job_id: str, status: int, end_time: float, result: v1.RolloutResult, events: list[v1.RolloutEvent]

@@ -1,8 +1,13 @@
 """The SQLite job store: embedded, one file per server (`jobs.store = true`).
 
-The request, result and events of each job in one row, the event log as
-length-prefixed protobuf frames (store.pack_events). sqlite3 is synchronous:
-every call runs in a single worker thread, never on the event loop.
+The request and result of each job in one row of `jobs`; its events one row
+each in `job_events`, keyed by (job_id, seq): appended while the job runs,
+replaced by the whole log when it ends. Stores written before `job_events`
+existed kept a finished job's events in the column `jobs.events` as
+length-prefixed protobuf frames (store.pack_events): still read for those jobs
+(a job with rows in `job_events` is read from them), never written any more.
+sqlite3 is synchronous: every call runs in a single worker thread, never on the
+event loop.
 """
 
 from __future__ import annotations
@@ -10,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from prorl_client import v1
-from prorl_server.jobs.store import JobStore, StoredJob, pack_events, unpack_events
+from prorl_server.jobs.store import JobStore, StoredJob, unpack_events
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -31,7 +37,19 @@ CREATE TABLE IF NOT EXISTS jobs (
     attempt INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS jobs_end_time ON jobs (end_time);
+CREATE TABLE IF NOT EXISTS job_events (
+    job_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    event BLOB NOT NULL,
+    PRIMARY KEY (job_id, seq)
+) WITHOUT ROWID;
 """
+
+# An event row, only for a job that has a row in `jobs`; a seq already there is kept.
+APPEND = (
+    "INSERT OR IGNORE INTO job_events (job_id, seq, event) "
+    "SELECT ?, ?, ? WHERE EXISTS (SELECT 1 FROM jobs WHERE job_id = ?)"
+)
 
 
 class SQLiteJobStore(JobStore):
@@ -74,6 +92,7 @@ class SQLiteJobStore(JobStore):
     def _submitted(
         self, job_id: str, number: int, request: bytes, fingerprint: bytes, created: float, attempt: int
     ) -> None:
+        self.db.execute("DELETE FROM job_events WHERE job_id = ?", (job_id,))
         self.db.execute(
             "INSERT OR REPLACE INTO jobs (job_id, number, request, fingerprint, status, create_time, attempt) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -92,25 +111,54 @@ class SQLiteJobStore(JobStore):
     ) -> None:
         await self._call(self._submitted, job_id, number, request.SerializeToString(), fingerprint, created, attempt)
 
-    def _finished(self, job_id: str, status: int, end_time: float, result: bytes, events: bytes) -> None:
-        self.db.execute(
-            "UPDATE jobs SET status = ?, end_time = ?, result = ?, events = ? WHERE job_id = ?",
-            (status, end_time, result, events, job_id),
-        )
+    def _appended(self, job_id: str, events: list[tuple[int, bytes]]) -> None:
+        self.db.executemany(APPEND, [(job_id, seq, data, job_id) for seq, data in events])
         self.db.commit()
+
+    async def appended(self, job_id: str, events: Sequence[v1.RolloutEvent]) -> None:
+        if events:
+            await self._call(self._appended, job_id, [(event.seq, event.SerializeToString()) for event in events])
+
+    def _finished(
+        self, job_id: str, status: int, end_time: float, result: bytes, events: list[tuple[int, bytes]]
+    ) -> None:
+        try:
+            updated = self.db.execute(
+                "UPDATE jobs SET status = ?, end_time = ?, result = ?, events = NULL WHERE job_id = ?",
+                (status, end_time, result, job_id),
+            )
+            if updated.rowcount:  # never submitted: nothing to record
+                self.db.execute("DELETE FROM job_events WHERE job_id = ?", (job_id,))
+                self.db.executemany(
+                    "INSERT INTO job_events (job_id, seq, event) VALUES (?, ?, ?)",
+                    [(job_id, seq, data) for seq, data in events],
+                )
+            self.db.commit()
+        except BaseException:
+            self.db.rollback()
+            raise
 
     async def finished(
         self, job_id: str, status: int, end_time: float, result: v1.RolloutResult, events: list[v1.RolloutEvent]
     ) -> None:
-        await self._call(self._finished, job_id, status, end_time, result.SerializeToString(), pack_events(events))
+        packed = [(event.seq, event.SerializeToString()) for event in events]
+        await self._call(self._finished, job_id, status, end_time, result.SerializeToString(), packed)
 
     def _load(self, keep_after: float) -> list[StoredJob]:
+        self.db.execute(
+            "DELETE FROM job_events WHERE job_id IN "
+            "(SELECT job_id FROM jobs WHERE end_time IS NOT NULL AND end_time < ?)",
+            (keep_after,),
+        )
         self.db.execute("DELETE FROM jobs WHERE end_time IS NOT NULL AND end_time < ?", (keep_after,))
         self.db.commit()
         rows = self.db.execute(
             "SELECT job_id, number, request, fingerprint, status, create_time, end_time, result, events, attempt "
             "FROM jobs ORDER BY number"
         ).fetchall()
+        logs: dict[str, list[v1.RolloutEvent]] = {}
+        for job_id, data in self.db.execute("SELECT job_id, event FROM job_events ORDER BY job_id, seq"):
+            logs.setdefault(job_id, []).append(v1.RolloutEvent.FromString(data))
         return [
             StoredJob(
                 job_id=row[0],
@@ -121,7 +169,7 @@ class SQLiteJobStore(JobStore):
                 create_time=row[5],
                 end_time=row[6],
                 result=v1.RolloutResult.FromString(row[7]) if row[7] is not None else None,
-                events=unpack_events(row[8]),
+                events=logs[row[0]] if row[0] in logs else unpack_events(row[8]),
                 attempt=row[9],
             )
             for row in rows

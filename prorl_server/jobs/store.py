@@ -1,10 +1,12 @@
 """The durable job store: what every implementation keeps, and the interface.
 
-What it keeps: every job's request at submission, and at the end its status,
-result and whole event log. So after a restart GetJob, ListJobs and Watch of
-finished jobs still work, Submit of a known job id returns the stored job,
-and a job that was running when the server died is reported as failed
-(infrastructure, "interrupted"), or run again when its retry policy allows.
+What it keeps: every job's request at submission, its events while it runs
+(`appended`, in batches from the job manager's EventWriter, event_writer.py),
+and at the end its status, result and whole event log. So after a restart
+GetJob, ListJobs and Watch of finished jobs still work, Submit of a known job
+id returns the stored job, and a job that was running when the server died is
+reported as failed (infrastructure, "interrupted", after the events it had
+stored), or run again when its retry policy allows.
 Finished jobs are kept for `jobs.retain_finished_s`.
 
 Two implementations, chosen by the setting `jobs.store` (see store_factory.py):
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -74,10 +76,17 @@ class JobStore(abc.ABC):
         the job's row is (re)written as queued, without result or events."""
 
     @abc.abstractmethod
+    async def appended(self, job_id: str, events: Sequence[v1.RolloutEvent]) -> None:
+        """Events of a running job, as they happen. Idempotent by (job_id, seq): an event
+        written twice is kept once. A job never submitted (or whose row is gone): no-op.
+        `load` returns them in seq order; `finished` later replaces them with the whole log."""
+
+    @abc.abstractmethod
     async def finished(
         self, job_id: str, status: int, end_time: float, result: v1.RolloutResult, events: list[v1.RolloutEvent]
     ) -> None:
-        """A job ended: its status, result and whole event log (a job never submitted: no-op)."""
+        """A job ended: its status, result and whole event log, replacing the events
+        appended before (a job never submitted: no-op)."""
 
     @abc.abstractmethod
     async def load(self, retain_s: float) -> list[StoredJob]:

@@ -145,6 +145,28 @@ async def test_a_big_event_log_round_trips_in_order(store: JobStore) -> None:
     assert loaded.events == events
 
 
+async def test_events_appended_while_a_job_runs_are_kept_once_in_seq_order(store: JobStore) -> None:
+    request, fingerprint = stored_request("appending")
+    await store.submitted("appending", 1, request, fingerprint, time.time())
+    events = events_of("appending", 8)
+    await store.appended("appending", events[3:6])  # out of order, overlapping: kept once each
+    await store.appended("appending", events[:4])
+    await store.appended("appending", events[:4])
+    await store.appended("never-submitted", events_of("never-submitted", 3))  # no row: nothing
+    (running,) = await store.load(retain_s=3600)
+    assert running.job_id == "appending" and running.result is None and running.events == events[:6]
+
+    result = events[-1].finished.result
+    await store.finished("appending", SUCCEEDED, time.time(), result, events)
+    await store.appended("appending", events[:2])  # a late duplicate changes nothing
+    (ended,) = await store.load(retain_s=3600)
+    assert ended.status == SUCCEEDED and ended.events == events
+
+    await store.submitted("appending", 1, request, fingerprint, time.time(), attempt=2)
+    (again,) = await store.load(retain_s=3600)
+    assert again.events == []  # a new attempt starts without the old events
+
+
 @pytest.mark.postgres
 async def test_events_are_rows_keyed_by_job_and_seq_and_go_with_their_job(postgres_url: str) -> None:
     store = PostgresJobStore(postgres_url, server_id="server-a")
