@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, Field, PlainValidator, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, PlainValidator, StrictFloat, StrictInt, StrictStr
 
 
 def _not_blank(value: str) -> str:
@@ -25,11 +25,6 @@ Text = Annotated[StrictStr, AfterValidator(_not_blank)]
 """A non-empty string."""
 GroundTruth = Annotated[str | int | float, PlainValidator(_ground_truth)]
 """The ground truth: text or a number (never a boolean)."""
-
-
-def timeout_field(default: float, maximum: float) -> object:
-    """A time limit in seconds, in (0, maximum]."""
-    return Field(default, gt=0, le=maximum)
 
 
 Seconds = StrictInt | StrictFloat
