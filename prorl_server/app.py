@@ -1,10 +1,13 @@
 """Wiring: builds every component from the settings, starts and stops them in order.
 
-Start: Podman API -> sandbox provider (reaps leftovers) -> LLM backends
-(embedded model if none) -> job manager -> gRPC server (+ health, reflection).
-Stop (idempotent): health NOT_SERVING -> stop admitting -> let jobs finish
-within the grace period, cancel the rest -> stop the gRPC server -> remove
-this server's containers -> stop the children.
+Start: job store (and, with PostgreSQL, the cluster's notifications) -> Podman
+API -> sandbox provider (reaps leftovers) -> LLM backends (embedded model if
+none) -> job manager -> gRPC server (+ health, reflection) -> the cluster's
+coordinator (claims jobs).
+Stop (idempotent): health NOT_SERVING -> stop claiming and admitting -> let
+jobs finish within the grace period, cancel the rest (in a cluster: hand them
+to a peer) -> stop the gRPC server -> remove this server's containers -> stop
+the children.
 """
 
 from __future__ import annotations
@@ -23,14 +26,23 @@ from prorl_server.api.admin_servicer import AdminServicer
 from prorl_server.api.auth import BearerTokenInterceptor
 from prorl_server.api.errors import ErrorInterceptor
 from prorl_server.api.rollout_servicer import RolloutServicer
+from prorl_server.cluster import membership
+from prorl_server.cluster.admin import ClusterAdministration
+from prorl_server.cluster.coordinator import ClusterCoordinator
+from prorl_server.cluster.jobs import ClusterJobs
+from prorl_server.cluster.notifications import Notifications
+from prorl_server.cluster.store import ClusterStore
 from prorl_server.config import ConfigError, Settings
 from prorl_server.gateway.aiohttp_adapter import GatewayServer
 from prorl_server.gateway.directory import GatewayDirectory
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.phases import PhaseGate, phase_gates
 from prorl_server.jobs.pipeline import Pipeline
-from prorl_server.jobs.store import JobStore
+from prorl_server.jobs.record import JobRecord
+from prorl_server.jobs.service import JobService, LocalJobs
+from prorl_server.jobs.store import JobStore, JobStoreError
 from prorl_server.jobs.store_factory import open_store
+from prorl_server.llm.administration import Administration, LocalAdministration
 from prorl_server.llm.base import BackendInfo, LLMBackend
 from prorl_server.llm.factory import build_backend
 from prorl_server.llm.llama_cpp_backend import EMBEDDED_MODEL_NAME, LlamaCppBackend
@@ -38,6 +50,7 @@ from prorl_server.llm.router import BackendRouter
 from prorl_server.metrics import Metrics
 from prorl_server.sandbox.allocator import SandboxAllocator
 from prorl_server.sandbox.base import LABEL_POOL, SandboxProvider, SandboxSpec
+from prorl_server.sandbox.none import NoSandboxes
 from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
 from prorl_server.sandbox.podman.service import PodmanService
 from prorl_server.stats import PhaseLoad, ServerStats
@@ -79,6 +92,9 @@ class ProrlServer:
         self.manager: JobManager | None = None
         self.metrics = Metrics()
         self._store: JobStore | None = None
+        self._notifications: Notifications | None = None
+        self._coordinator: ClusterCoordinator | None = None
+        self.jobs: JobService | None = None
         self.port = 0
         self._stopped = False
 
@@ -103,8 +119,16 @@ class ProrlServer:
         # jobs.store: SQLite, PostgreSQL or none; first, so that a store that cannot be
         # used stops the start before any sandbox or model is started.
         self._store = await open_store(settings)
+        cluster = isinstance(self._store, ClusterStore)
+        if isinstance(self._store, ClusterStore):
+            self._notifications = Notifications(self._store.url)
+            try:
+                await self._notifications.start()
+            except Exception as exc:
+                raise JobStoreError(f"job store {self._store!r}: cannot listen for notifications: {exc}") from None
         if self._provider is None:
-            self._provider = await self._podman_provider()
+            front = cluster and not settings.cluster.run_jobs
+            self._provider = NoSandboxes() if front else await self._podman_provider()
         await self._provider.start()
         self._sandboxes = SandboxAllocator(self._provider, self._warm_pool_specs())
         self._sandboxes.start()
@@ -128,12 +152,16 @@ class ProrlServer:
             pipeline=pipeline,
             metrics=self.metrics,
             store=self._store,
+            persist_retry_s=settings.cluster.lease_ttl_s if cluster else 0.0,
+            handover=self._hand_back if cluster else None,
         )
         await self.manager.restore()
         if settings.server.metrics_port is not None:
             self.metrics.watch(self.stats)
             await self.metrics.serve(settings.server.host, settings.server.metrics_port)
         await self._start_grpc()
+        if self._coordinator is not None:
+            await self._coordinator.start()
         log.info("server_started", address=self.address, instance=settings.server.instance_id)
 
     async def _podman_provider(self) -> PodmanProvider:
@@ -224,8 +252,58 @@ class ProrlServer:
             )
         self._router.start()
 
+    def _hand_back(self, job: JobRecord) -> None:
+        if self._coordinator is not None:
+            self._coordinator.hand_back(job)
+
+    def _services(self) -> tuple[JobService, Administration]:
+        """This server's jobs and backend administration; a cluster's when the store is shared."""
+        assert self.manager is not None
+        settings = self.settings
+        store, notifications = self._store, self._notifications
+        if not isinstance(store, ClusterStore) or notifications is None:
+            local = LocalAdministration(
+                self._router, request_timeout_s=settings.llm.request_timeout_s, max_retries=settings.llm.max_retries
+            )
+            return LocalJobs(self.manager), local
+        admin = ClusterAdministration(
+            store,
+            self._router,
+            request_timeout_s=settings.llm.request_timeout_s,
+            max_retries=settings.llm.max_retries,
+            live_within_s=settings.cluster.lease_ttl_s,
+        )
+        self._coordinator = ClusterCoordinator(
+            settings=settings,
+            store=store,
+            notifications=notifications,
+            manager=self.manager,
+            admin=admin,
+            stats=self.stats,
+            address=lambda: self.address,
+            set_serving=self._set_serving,
+        )
+        jobs = ClusterJobs(
+            settings=settings, registry=self._registry, manager=self.manager, store=store, notifications=notifications
+        )
+        return jobs, admin
+
+    async def _cluster_view(self) -> tuple[list[v1.ServerSummary], dict[int, int]]:
+        assert isinstance(self._store, ClusterStore)
+        servers = await membership.servers(self._store, self.settings.cluster.lease_ttl_s)
+        return servers, await self._store.count_by_status()
+
+    async def _set_serving(self, serving: bool) -> None:
+        """Health of every service: NOT_SERVING while the cluster's store cannot be reached."""
+        if self._health is None or self._stopped:
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *SERVICE_NAMES):
+            await self._health.set(name, status)
+
     async def _start_grpc(self) -> None:
         assert self.manager is not None
+        self.jobs, administration = self._services()
         interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
         tokens = self.settings.server.accepted_tokens()
         if tokens:
@@ -237,13 +315,15 @@ class ProrlServer:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ],
         )
-        v1.add_RolloutServiceServicer_to_server(RolloutServicer(self.manager), server)
+        v1.add_RolloutServiceServicer_to_server(RolloutServicer(self.jobs), server)
+        cluster = isinstance(self._store, ClusterStore)
         v1.add_AdminServiceServicer_to_server(
             AdminServicer(
                 self._router,
+                administration,
                 self.stats,
-                request_timeout_s=self.settings.llm.request_timeout_s,
-                max_retries=self.settings.llm.max_retries,
+                server_id=self.settings.server.instance_id,
+                cluster_view=self._cluster_view if cluster else None,
             ),
             server,
         )
@@ -289,13 +369,19 @@ class ProrlServer:
         grace = self.settings.server.shutdown_grace_s
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        if self._coordinator is not None:
+            await self._coordinator.stop_claiming()
         if self.manager is not None:
             await self.manager.shutdown(grace)
+        if self._coordinator is not None:
+            await self._coordinator.stop()
         if self._server is not None:
             await self._server.stop(grace=1.0)
         await self.metrics.close()
         if self._gateway_server is not None:
             await self._gateway_server.close()
+        if self._notifications is not None:
+            await self._notifications.close()
         if self._store is not None:
             await self._store.close()
         if self._sandboxes is not None:

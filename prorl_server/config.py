@@ -127,6 +127,35 @@ class JobSettings(_Section):
         return self
 
 
+class ClusterSettings(_Section):
+    """Servers that share a PostgreSQL job store (`jobs.store = "postgresql://..."`) are
+    peers of one service; see docs/operations.md, "Many servers, one service"."""
+
+    run_jobs: bool = True
+    """Claim queued jobs and run them here; false: a front that only accepts, streams and
+    administers (needs no sandboxes)."""
+    claim_slots: int | None = Field(None, ge=1)
+    """Jobs this server holds at once (claimed and not yet ended); None: phases.init + phases.run."""
+    lease_ttl_s: float = Field(30.0, ge=1)
+    """A claimed job's lease: renewed by heartbeat; when it lapses (server killed, node gone)
+    another server takes the job over."""
+    heartbeat_s: float = Field(5.0, gt=0)
+    """How often leases are renewed and this server's load is published."""
+    poll_s: float = Field(1.0, gt=0)
+    """Fallback poll for queued jobs, cancels and admin changes (notifications wake it sooner)."""
+    advertise_address: str | None = None
+    """The address clients and peers reach this server at, shown in GetStats; None: server.host:port."""
+
+    @model_validator(mode="after")
+    def _heartbeat_within_lease(self) -> ClusterSettings:
+        if self.heartbeat_s * 2 > self.lease_ttl_s:
+            raise ValueError(
+                f"heartbeat_s {self.heartbeat_s:g} must be at most half of lease_ttl_s {self.lease_ttl_s:g}, "
+                "or a slow heartbeat lets a healthy server lose its jobs"
+            )
+        return self
+
+
 class WarmPoolSettings(_Section):
     image: str | None = None
     """None: sandbox.default_image."""
@@ -244,6 +273,7 @@ class Settings(_Section):
     jobs: JobSettings = JobSettings()
     sandbox: SandboxSettings = SandboxSettings()
     llm: LLMSettings = LLMSettings()
+    cluster: ClusterSettings = ClusterSettings()
 
 
 def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:

@@ -40,6 +40,22 @@ class PostgresCluster:
     folder: Path
     """Holds the data directory (data/), the log (server.log) and the socket."""
     user: str
+    options: str = ""
+    """The server's command-line options (pg_ctl -o)."""
+    run_as: str | None = None
+    """The unprivileged user the server runs as (when the tests run as root)."""
+
+    def stop(self) -> None:
+        """Stop the server (`fast`: every connection is cut at once), e.g. to test an outage.
+        Not `immediate`: with this throwaway cluster's fsync=off and synchronous_commit=off
+        a crash may lose what was committed last."""
+        _run(
+            _as_user(self.run_as, self.bin_dir / "pg_ctl", "-D", self.folder / "data", "-m", "fast", "-w", "stop"),
+            self.folder,
+        )
+
+    def start(self) -> None:
+        _pg_ctl_start(self.run_as, self.bin_dir, self.folder, self.options)
 
     @property
     def socket_dir(self) -> Path:
@@ -94,6 +110,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _pg_ctl_start(user: str | None, bin_dir: Path, folder: Path, options: str) -> None:
+    data = folder / "data"
+    try:
+        _run(
+            _as_user(user, bin_dir / "pg_ctl", "-D", data, "-l", folder / "server.log", "-o", options, "-w", "start"),
+            folder,
+        )
+    except RuntimeError as exc:
+        log = (folder / "server.log").read_text(errors="replace") if (folder / "server.log").exists() else ""
+        raise RuntimeError(f"{exc}\nserver log:\n{log}") from None
+
+
 @pytest.fixture(scope="session", name="postgres_cluster")
 def postgres_cluster_fixture() -> Iterator[PostgresCluster]:
     bin_dir = server_binaries()
@@ -121,18 +149,9 @@ def postgres_cluster_fixture() -> Iterator[PostgresCluster]:
                 "-c max_connections=60 -c shared_buffers=16MB",
             ]
         )
-        try:
-            _run(
-                _as_user(
-                    user, bin_dir / "pg_ctl", "-D", data, "-l", folder / "server.log", "-o", options, "-w", "start"
-                ),
-                folder,
-            )
-        except RuntimeError as exc:
-            log = (folder / "server.log").read_text(errors="replace") if (folder / "server.log").exists() else ""
-            raise RuntimeError(f"{exc}\nserver log:\n{log}") from None
+        _pg_ctl_start(user, bin_dir, folder, options)
         pid = _postmaster_pid(data)
-        yield PostgresCluster(bin_dir=bin_dir, folder=folder, user=name)
+        yield PostgresCluster(bin_dir=bin_dir, folder=folder, user=name, options=options, run_as=user)
     finally:
         if data.exists() and (data / "postmaster.pid").exists():
             pid = _postmaster_pid(data) or pid

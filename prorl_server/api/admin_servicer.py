@@ -2,44 +2,47 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
 from prorl_client import v1
 from prorl_server.api.backend_messages import backend_to_proto, settings_from_proto
 from prorl_server.errors import InvalidArgument
-from prorl_server.llm.factory import build_backend
+from prorl_server.llm.administration import Administration
 from prorl_server.llm.router import BackendRouter
 from prorl_server.stats import ServerStats
+
+ClusterView = Callable[[], Awaitable[tuple[list[v1.ServerSummary], dict[int, int]]]]
+"""Every server of the cluster and the cluster's jobs by status."""
 
 
 class AdminServicer(v1.AdminServiceServicer):
     def __init__(
         self,
         router: BackendRouter,
+        administration: Administration,
         stats: Callable[[], ServerStats],
         *,
-        request_timeout_s: float,
-        max_retries: int,
+        server_id: str = "",
+        cluster_view: ClusterView | None = None,
     ) -> None:
         self._router = router
+        self._admin = administration
         self._stats = stats
-        self._timeout_s = request_timeout_s
-        self._max_retries = max_retries
+        self._server_id = server_id
+        self._cluster_view = cluster_view
 
     async def AddBackend(  # noqa: N802
         self, request: v1.AddBackendRequest, context: grpc.aio.ServicerContext
     ) -> v1.AddBackendResponse:
-        settings = settings_from_proto(request.backend)
-        backend = build_backend(settings, timeout_s=self._timeout_s, max_retries=self._max_retries)
-        entry = self._router.add(backend)
+        entry = await self._admin.add_backend(settings_from_proto(request.backend))
         return v1.AddBackendResponse(backend=backend_to_proto(entry))
 
     async def RemoveBackend(  # noqa: N802
         self, request: v1.RemoveBackendRequest, context: grpc.aio.ServicerContext
     ) -> v1.RemoveBackendResponse:
-        await self._router.remove(request.backend_id)
+        await self._admin.remove_backend(request.backend_id)
         return v1.RemoveBackendResponse()
 
     async def ListBackends(  # noqa: N802
@@ -50,9 +53,8 @@ class AdminServicer(v1.AdminServiceServicer):
     async def Pause(  # noqa: N802
         self, request: v1.PauseRequest, context: grpc.aio.ServicerContext
     ) -> v1.PauseResponse:
-        pool = self._router
-        aborted = pool.pause(abort_in_flight=request.abort_in_flight)
-        return v1.PauseResponse(aborted=aborted, policy_version=pool.policy_version)
+        aborted, version = await self._admin.pause(abort_in_flight=request.abort_in_flight)
+        return v1.PauseResponse(aborted=aborted, policy_version=version)
 
     async def Resume(  # noqa: N802
         self, request: v1.ResumeRequest, context: grpc.aio.ServicerContext
@@ -60,13 +62,13 @@ class AdminServicer(v1.AdminServiceServicer):
         version = request.policy_version if request.HasField("policy_version") else None
         if version is not None and version < 0:
             raise InvalidArgument(f"policy_version must not be negative, got {version}")
-        return v1.ResumeResponse(policy_version=self._router.resume(version))
+        return v1.ResumeResponse(policy_version=await self._admin.resume(version))
 
     async def GetStats(  # noqa: N802
         self, request: v1.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> v1.GetStatsResponse:
         stats = self._stats()
-        return v1.GetStatsResponse(
+        response = v1.GetStatsResponse(
             phases=[
                 v1.PhaseStats(phase=load.phase, queued=load.queued, active=load.active, limit=load.limit)
                 for load in stats.phases
@@ -90,4 +92,13 @@ class AdminServicer(v1.AdminServiceServicer):
             backends=[backend_to_proto(e) for e in stats.backends],
             policy_version=stats.policy_version,
             paused=stats.paused,
+            server_id=self._server_id,
         )
+        if request.include_cluster and self._cluster_view is not None:
+            servers, jobs = await self._cluster_view()
+            response.servers.extend(servers)
+            response.cluster_jobs.extend(
+                v1.JobStatusCount(status=status, count=count)  # type: ignore[arg-type]
+                for status, count in sorted(jobs.items())
+            )
+        return response

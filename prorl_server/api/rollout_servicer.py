@@ -12,21 +12,21 @@ from prorl_client import v1
 from prorl_server.api.errors import status_code
 from prorl_server.errors import InvalidArgument, ProrlError
 from prorl_server.jobs import wire
-from prorl_server.jobs.manager import JobManager
+from prorl_server.jobs.service import JobService
 
 # Responses buffered per RolloutStream before its watchers wait for the client.
 STREAM_BUFFER = 256
 
 
 class RolloutServicer(v1.RolloutServiceServicer):
-    def __init__(self, manager: JobManager) -> None:
-        self._manager = manager
+    def __init__(self, jobs: JobService) -> None:
+        self._jobs = jobs
 
     async def Rollout(  # noqa: N802
         self, request: v1.RolloutRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[v1.RolloutResponse]:
-        job, _ = self._manager.submit(request)
-        async for event in self._manager.watch(job.job_id):
+        job, _ = await self._jobs.submit(request)
+        async for event in self._jobs.watch(job.job_id):
             yield v1.RolloutResponse(event=event)
 
     async def RolloutStream(  # noqa: N802
@@ -41,7 +41,7 @@ class RolloutServicer(v1.RolloutServiceServicer):
         watched: set[str] = set()
 
         async def forward(job_id: str) -> None:
-            async for event in self._manager.watch(job_id):
+            async for event in self._jobs.watch(job_id):
                 await out.put(v1.RolloutStreamResponse(event=event))
 
         async def requests() -> AsyncIterator[v1.RolloutStreamRequest]:
@@ -61,7 +61,7 @@ class RolloutServicer(v1.RolloutServiceServicer):
             async with asyncio.TaskGroup() as forwarders:
                 async for item in requests():
                     try:
-                        job, _ = self._manager.submit(item.rollout)
+                        job, _ = await self._jobs.submit(item.rollout)
                     except ProrlError as exc:
                         rejected = v1.RolloutRejected(
                             job_id=item.rollout.job_id, code=status_code(exc).value[0], message=exc.message
@@ -88,24 +88,24 @@ class RolloutServicer(v1.RolloutServiceServicer):
     async def Submit(  # noqa: N802
         self, request: v1.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> v1.SubmitResponse:
-        job, created = self._manager.submit(request.rollout)
+        job, created = await self._jobs.submit(request.rollout)
         return v1.SubmitResponse(job=wire.job(job), created=created)
 
     async def Watch(  # noqa: N802
         self, request: v1.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[v1.WatchResponse]:
-        async for event in self._manager.watch(request.job_id, request.after_seq):
+        async for event in self._jobs.watch(request.job_id, request.after_seq):
             yield v1.WatchResponse(event=event)
 
     async def GetJob(  # noqa: N802
         self, request: v1.GetJobRequest, context: grpc.aio.ServicerContext
     ) -> v1.GetJobResponse:
-        return v1.GetJobResponse(job=wire.job(self._manager.get(request.job_id)))
+        return v1.GetJobResponse(job=wire.job(await self._jobs.get(request.job_id)))
 
     async def ListJobs(  # noqa: N802
         self, request: v1.ListJobsRequest, context: grpc.aio.ServicerContext
     ) -> v1.ListJobsResponse:
-        jobs, token = self._manager.list(
+        jobs, token = await self._jobs.list(
             statuses=list(request.statuses),
             labels=dict(request.labels),
             group_id=request.group_id,
@@ -117,5 +117,5 @@ class RolloutServicer(v1.RolloutServiceServicer):
     async def Cancel(  # noqa: N802
         self, request: v1.CancelRequest, context: grpc.aio.ServicerContext
     ) -> v1.CancelResponse:
-        job = await self._manager.cancel(request.job_id, request.reason)
+        job = await self._jobs.cancel(request.job_id, request.reason)
         return v1.CancelResponse(job=wire.job(job))

@@ -85,15 +85,16 @@ class EventWriter:
 
     # --- the manager's side ------------------------------------------------------
 
-    def track(self, events: EventLog) -> None:
-        """Send the events of `events` (those so far, then every new one) to the store
-        until `finish(events.job_id)`. Starts the writer's task on first use."""
+    def track(self, events: EventLog, *, after_seq: int = 0) -> None:
+        """Send the events of `events` (those so far after `after_seq`, which the store
+        has, then every new one) to the store until `finish(events.job_id)`. Starts the
+        writer's task on first use."""
         if self._closing:
             return  # shutting down: the job's `finished` write carries its log
         self.finish_nowait(events.job_id)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="job-event-writer")
-        for event in events.events():
+        for event in events.events()[after_seq:]:
             self._queue(event)
         listener = self._queue
         events.add_listener(listener)

@@ -3,6 +3,10 @@
 Every job runs as one asyncio task owned here; shutdown awaits them all.
 With a store, a job's events reach it as they happen through the manager's
 EventWriter (event_writer.py), whose task shutdown awaits too.
+
+In a cluster (prorl_server/cluster/) jobs are submitted to the shared store
+by any server and reach this manager by `adopt` when this server claims them;
+the cluster's job service answers the queries for jobs held elsewhere.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import collections
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
+from tenacity import AsyncRetrying, stop_after_delay, wait_exponential
 
 from prorl_client import v1
 from prorl_server.agents.registry import HandlerRegistry
@@ -53,8 +58,15 @@ class JobManager:
         pipeline: Pipeline,
         metrics: Metrics | None = None,
         store: JobStore | None = None,
+        persist_retry_s: float = 0.0,
+        handover: Callable[[JobRecord], None] | None = None,
     ) -> None:
+        """`persist_retry_s`: how long a job's final write is retried while the store
+        fails (0: tried once). `handover`: called for each job still running when
+        shutdown cancels it (a cluster gives it to a peer instead)."""
         self._settings = settings
+        self._persist_retry_s = persist_retry_s
+        self._handover = handover
         self._registry = registry
         self._metrics = metrics
         self._store = store
@@ -70,8 +82,7 @@ class JobManager:
 
     def submit(self, request: v1.RolloutRequest) -> tuple[JobRecord, bool]:
         """Queue a job; returns (job, created). Idempotent on job_id."""
-        if not self._accepting:
-            raise Unavailable("the server is shutting down and accepts no new jobs; retry on another server")
+        self.check_accepting()
         if request.job_id:
             check_job_id(request.job_id)
             fingerprint = request.SerializeToString(deterministic=True)
@@ -105,10 +116,60 @@ class JobManager:
         )
         return self._admit(job), True
 
+    def check_accepting(self) -> None:
+        if not self._accepting:
+            raise Unavailable("the server is shutting down and accepts no new jobs; retry on another server")
+
+    def adopt(self, item: StoredJob, cancel_reason: str | None = None) -> JobRecord:
+        """Run a job queued elsewhere (a cluster's store) that this server now holds: its
+        log goes on after the events stored so far (its `queued` event among them)."""
+        events = EventLog.restored(item.job_id, item.events, closed=False)
+        try:
+            plan = resolve_plan(item.request, self._settings, self._registry)
+        except ProrlError as exc:  # e.g. a handler or image this server does not have
+            job = _stored_record(item, plan=None, events=events, attempt=item.attempt)
+            self._jobs[job.job_id] = job
+            self._end_unrunnable(job, exc.message)
+            return job
+        job = _stored_record(item, plan=plan, events=events, attempt=item.attempt, cancel_reason=cancel_reason)
+        return self._start(job, stored=len(item.events))
+
+    def _end_unrunnable(self, job: JobRecord, why: str) -> None:
+        job.result = v1.RolloutResult(
+            job_id=job.job_id,
+            status=v1.JOB_STATUS_FAILED,
+            failure=v1.Failure(
+                kind=v1.FAILURE_KIND_INFRASTRUCTURE, reason="not_runnable", message=f"this server cannot run it: {why}"
+            ),
+        )
+        job.status = v1.JOB_STATUS_FAILED
+        job.end_time = time.time()
+        job.events.append(finished=v1.JobFinished(result=job.result))
+        job.events.close()
+        task = asyncio.create_task(uninterruptible(self._conclude(job)), name=f"job-{job.job_id}")
+        job.task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def accepting(self) -> bool:
+        """False once shutdown has begun."""
+        return self._accepting
+
+    @property
+    def live(self) -> int:
+        """Jobs queued or running on this server."""
+        return len(self._jobs) - len(self._finished)
+
     def _admit(self, job: JobRecord) -> JobRecord:
         """Queue a job whose plan is resolved: from here on it runs to an outcome."""
-        self._jobs[job.job_id] = job
         job.events.append(queued=v1.JobQueued(queue_position=self._pipeline.waiting, attempt=job.attempt))
+        return self._start(job)
+
+    def _start(self, job: JobRecord, *, stored: int = 0) -> JobRecord:
+        """Run the job's task. `stored`: its first events already in the store."""
+        self._jobs[job.job_id] = job
+        job.stored_events = stored
         if self._metrics is not None:
             self._metrics.jobs_submitted.labels(job.request.handler).inc()
         task = asyncio.create_task(self._run(job), name=f"job-{job.job_id}")
@@ -132,7 +193,7 @@ class JobManager:
                     # Cancelled this early: the pipeline sees cancel_reason and ends the job as cancelled.
                     asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 if self._writer is not None:  # the job's row exists: its events can follow
-                    self._writer.track(job.events)
+                    self._writer.track(job.events, after_seq=job.stored_events)
             await self._pipeline.execute(job)
         finally:
             await uninterruptible(self._conclude(job))
@@ -146,10 +207,17 @@ class JobManager:
 
     async def _persist(self, job: JobRecord) -> None:
         assert self._store is not None and job.result is not None
+        store, result = self._store, job.result
         try:
-            await self._store.finished(
-                job.job_id, job.status, job.end_time or time.time(), job.result, job.events.events()
-            )
+            async for attempt in AsyncRetrying(
+                stop=stop_after_delay(self._persist_retry_s),
+                wait=wait_exponential(multiplier=0.2, max=2.0),
+                reraise=True,
+            ):
+                with attempt:
+                    await store.finished(
+                        job.job_id, job.status, job.end_time or time.time(), result, job.events.events()
+                    )
         except Exception as exc:  # the job's outcome stands in memory; say why it is not durable
             log.error("job_store_write_failed", error=str(exc))
 
@@ -298,6 +366,18 @@ class JobManager:
         await asyncio.wait({job.task}, timeout=CANCEL_WAIT_S)
         return job
 
+    def local(self, job_id: str) -> JobRecord | None:
+        """The job if this server holds it (or retains it after its end)."""
+        return self._jobs.get(job_id)
+
+    def request_cancel(self, job_id: str, reason: str) -> bool:
+        """Cancel a job of this server without waiting; False if it has none such running."""
+        job = self._jobs.get(job_id)
+        if job is None or job.finished or job.task is None:
+            return False
+        self._request_cancel(job, reason)
+        return True
+
     @staticmethod
     def _request_cancel(job: JobRecord, reason: str) -> None:
         """Cancel a job once: later requests (a second Cancel, shutdown) only wait.
@@ -323,6 +403,8 @@ class JobManager:
             await asyncio.wait(tasks, timeout=grace_s)
         for job in self._jobs.values():
             if job.task is not None and not job.task.done():
+                if self._handover is not None:
+                    self._handover(job)
                 self._request_cancel(job, "the server is shutting down")
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -4,10 +4,13 @@ Schema (see MIGRATIONS; times are Unix seconds, as time.time() gives them):
 
     jobs        one row per job: job_id (primary key), number, request,
                 fingerprint, status, create_time, end_time (NULL until it
-                ended), result (NULL until it ended), attempt; and, for the
-                servers that will share a database, server_id (the server that
-                last ran the job; written, not read yet) and lease_expires
-                (NULL: no leases yet).
+                ended), result (NULL until it ended), attempt, server_id (the
+                server that holds or last held the job) and lease_expires
+                (Unix seconds by the database's clock; see cluster/store.py).
+                Migration 2 adds what a cluster of servers needs: priority,
+                group_id, labels (JSONB), phase, start_time, cancel_reason, a
+                job_numbers sequence, and the tables servers, admin_ops and
+                cluster_state (see prorl_server/cluster/).
     job_events  a job's event log, one row per event keyed by (job_id, seq),
                 so that another server can read a job's events in order or
                 from a given seq: appended while the job runs (`appended`),
@@ -19,7 +22,8 @@ first takes a transaction-level advisory lock: servers starting together
 apply each one exactly once, the others wait and find them done. A database
 whose schema is newer than this code knows is refused.
 
-One server per database for now: `load` returns every job in the database.
+This class is the store of one server; servers that share a database are a
+cluster and use its subclass ClusterStore (prorl_server/cluster/store.py).
 """
 
 from __future__ import annotations
@@ -76,6 +80,43 @@ MIGRATIONS: tuple[Migration, ...] = (
             event BYTEA NOT NULL,
             PRIMARY KEY (job_id, seq)
         );
+        """,
+    ),
+    Migration(
+        2,
+        "a cluster of servers: the job queue, leases, cancels, servers, admin operations",
+        """
+        ALTER TABLE jobs
+            ADD COLUMN priority INTEGER NOT NULL DEFAULT 0,
+            ADD COLUMN group_id TEXT NOT NULL DEFAULT '',
+            ADD COLUMN labels JSONB NOT NULL DEFAULT '{}',
+            ADD COLUMN phase INTEGER NOT NULL DEFAULT 0,
+            ADD COLUMN start_time DOUBLE PRECISION,
+            ADD COLUMN cancel_reason TEXT;
+        CREATE SEQUENCE job_numbers;
+        SELECT setval('job_numbers', COALESCE((SELECT max(number) FROM jobs), 0) + 1, false);
+        CREATE INDEX jobs_queue ON jobs (priority DESC, number) WHERE server_id IS NULL AND end_time IS NULL;
+        CREATE INDEX jobs_leases ON jobs (server_id, lease_expires) WHERE end_time IS NULL;
+        CREATE TABLE servers (
+            server_id TEXT PRIMARY KEY,
+            address TEXT NOT NULL DEFAULT '',
+            runs_jobs BOOLEAN NOT NULL DEFAULT true,
+            started DOUBLE PRECISION NOT NULL,
+            heartbeat DOUBLE PRECISION NOT NULL,
+            admin_applied BIGINT NOT NULL DEFAULT 0,
+            summary BYTEA
+        );
+        CREATE TABLE admin_ops (
+            id BIGSERIAL PRIMARY KEY,
+            time DOUBLE PRECISION NOT NULL,
+            kind TEXT NOT NULL,
+            payload BYTEA NOT NULL
+        );
+        CREATE TABLE cluster_state (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            policy_version BIGINT NOT NULL DEFAULT 0
+        );
+        INSERT INTO cluster_state (id) VALUES (1);
         """,
     ),
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prorl_client import v1
 from prorl_server.agents.base import AnyHandler, Limits, TaskInstance
@@ -13,6 +14,32 @@ from prorl_server.llm.base import Sampling
 FINISHED_STATUSES = frozenset(
     {v1.JOB_STATUS_SUCCEEDED, v1.JOB_STATUS_FAILED, v1.JOB_STATUS_CANCELLED, v1.JOB_STATUS_TIMED_OUT}
 )
+
+
+class JobView(Protocol):
+    """What is reported of a job (jobs.wire.job): a JobRecord of this server, or a
+    cluster's stored row (cluster/store.py JobRow) of a job held elsewhere."""
+
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def status(self) -> v1.JobStatus: ...
+    @property
+    def phase(self) -> v1.Phase: ...
+    @property
+    def request(self) -> v1.RolloutRequest: ...
+    @property
+    def create_time(self) -> float: ...
+    @property
+    def start_time(self) -> float | None: ...
+    @property
+    def end_time(self) -> float | None: ...
+    @property
+    def result(self) -> v1.RolloutResult | None: ...
+    @property
+    def last_seq(self) -> int: ...
+    @property
+    def finished(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -55,6 +82,12 @@ class JobRecord:
     """Set by the first cancel request; later ones only wait for the job to end."""
     started: bool = False
     """The job's task has begun to run (before that, cancelling the task would skip its cleanup)."""
+    stored_events: int = 0
+    """Its first events already in the store when it started here (a cluster's job)."""
+
+    @property
+    def last_seq(self) -> int:
+        return self.events.last_seq
 
     @property
     def finished(self) -> bool:

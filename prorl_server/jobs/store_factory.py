@@ -27,9 +27,9 @@ def build_store(settings: Settings) -> JobStore | None:
         )
         return SQLiteJobStore(path)
     if isinstance(value, str) and is_postgres_url(value):
-        from prorl_server.jobs.postgres_store import PostgresJobStore
+        from prorl_server.cluster.store import ClusterStore
 
-        return PostgresJobStore(value, server_id=settings.server.instance_id)
+        return ClusterStore(value, server_id=settings.server.instance_id)
     shown = mask_url(value) if isinstance(value, str) else repr(value)
     raise ConfigError(f"setting 'jobs.store': expected true, false or a postgresql:// URL, got {shown}")
 

@@ -19,7 +19,7 @@ from prorl_client import v1
 from prorl_server.agents.events import AgentEvent, ModelTurnEvent, ToolCallEvent, ToolResultEvent, TurnSpan
 from prorl_server.agents.recorder import TrajectoryRecorder
 from prorl_server.gateway.chains import TokenChain
-from prorl_server.jobs.record import JobRecord
+from prorl_server.jobs.record import JobView
 
 LOGPROBS_MODES = {"processed": v1.LOGPROBS_MODE_PROCESSED, "raw": v1.LOGPROBS_MODE_RAW}
 PHASE_NAMES = {v1.PHASE_INIT: "init", v1.PHASE_RUN: "run", v1.PHASE_EVAL: "eval"}
@@ -181,7 +181,7 @@ def token_chain(chain: TokenChain, recorded: Sequence[TurnSpan]) -> v1.TokenChai
     )
 
 
-def job(record: JobRecord) -> v1.Job:
+def job(record: JobView) -> v1.Job:
     return v1.Job(
         job_id=record.job_id,
         status=record.status,
@@ -192,6 +192,6 @@ def job(record: JobRecord) -> v1.Job:
         create_time=timestamp(record.create_time),
         start_time=timestamp(record.start_time),
         end_time=timestamp(record.end_time),
-        last_seq=record.events.last_seq,
+        last_seq=record.last_seq,
         result=record.result,
     )

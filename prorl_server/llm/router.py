@@ -55,6 +55,8 @@ class BackendRouter:
         self._in_flight_tasks: set[asyncio.Task[object]] = set()
         self._aborted: set[asyncio.Task[object]] = set()
         self.policy_version = 0
+        self.aborted_total = 0
+        """In-flight requests Pause(abort_in_flight) has cancelled since the start."""
         self._health_interval_s = health_interval_s
         self._failed_checks_to_evict = failed_checks_to_evict
         self._health_task: asyncio.Task[None] | None = None
@@ -170,6 +172,7 @@ class BackendRouter:
                     self._aborted.add(task)
                     task.cancel()
                     aborted += 1
+        self.aborted_total += aborted
         log.info("generation_paused", aborted=aborted, policy_version=self.policy_version)
         return aborted
 

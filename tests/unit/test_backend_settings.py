@@ -15,6 +15,7 @@ from prorl_server.api.admin_servicer import AdminServicer
 from prorl_server.api.backend_messages import ADDABLE_KINDS, KIND_NAMES, backend_to_proto, settings_from_proto
 from prorl_server.config import ConfigError, load_settings
 from prorl_server.errors import InvalidArgument
+from prorl_server.llm.administration import LocalAdministration
 from prorl_server.llm.backend_settings import (
     BACKEND_KINDS,
     SERVED_KINDS,
@@ -191,7 +192,7 @@ def no_stats() -> Any:
 
 async def test_add_backend_validates_builds_and_adds(tmp_path: Path) -> None:
     pool = BackendRouter(health_interval_s=0)
-    servicer = AdminServicer(pool, no_stats, request_timeout_s=1, max_retries=0)
+    servicer = AdminServicer(pool, LocalAdministration(pool, request_timeout_s=1, max_retries=0), no_stats)
     with pytest.raises(InvalidArgument, match=r"backend\.base_url: "):
         await servicer.AddBackend(v1.AddBackendRequest(backend=valid(base_url="ftp://x")), None)  # type: ignore[arg-type]
     assert pool.entries() == []

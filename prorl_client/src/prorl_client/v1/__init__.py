@@ -25,6 +25,7 @@ from prorl_client._proto.prorl.v1.admin_service_pb2 import (
     ResumeRequest as ResumeRequest,
     ResumeResponse as ResumeResponse,
     SandboxPoolStats as SandboxPoolStats,
+    ServerSummary as ServerSummary,
 )
 from prorl_client._proto.prorl.v1.admin_service_pb2_grpc import (
     AdminServiceServicer as AdminServiceServicer,
@@ -174,6 +175,7 @@ __all__ = [
     "SamplingParams",
     "SandboxPoolStats",
     "SandboxSpec",
+    "ServerSummary",
     "SubmitRequest",
     "SubmitResponse",
     "Timing",

@@ -28,6 +28,10 @@ if _version_not_supported:
 
 class AdminServiceStub:
     """Operates the server: the pool of LLM inference backends and its load.
+
+    Servers that share a PostgreSQL job store form one service (a cluster):
+    AddBackend, RemoveBackend, Pause and Resume sent to any of them apply to
+    every server of the cluster, and there is one policy version for all.
     """
 
     def __init__(self, channel):
@@ -70,6 +74,10 @@ class AdminServiceStub:
 
 class AdminServiceServicer:
     """Operates the server: the pool of LLM inference backends and its load.
+
+    Servers that share a PostgreSQL job store form one service (a cluster):
+    AddBackend, RemoveBackend, Pause and Resume sent to any of them apply to
+    every server of the cluster, and there is one policy version for all.
     """
 
     def AddBackend(self, request, context):
@@ -158,6 +166,10 @@ def add_AdminServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class AdminService:
     """Operates the server: the pool of LLM inference backends and its load.
+
+    Servers that share a PostgreSQL job store form one service (a cluster):
+    AddBackend, RemoveBackend, Pause and Resume sent to any of them apply to
+    every server of the cluster, and there is one policy version for all.
     """
 
     @staticmethod

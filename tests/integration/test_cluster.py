@@ -1,0 +1,307 @@
+"""Three servers sharing one PostgreSQL job store are one service.
+
+Real servers on real ports, driven by the real client, sharing a real
+PostgreSQL (tests/postgres.py); sandboxes from the fake provider and model
+turns from scripted in-process backends, so that these run without Podman.
+The subprocess tests with Podman (kill -9 of a server) are in
+test_cluster_processes.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from prorl_client import Client, RpcError, v1
+from prorl_server.app import ProrlServer
+from prorl_server.config import load_settings
+from tests.conftest import instance_id
+from tests.fakes.sandbox_provider import FakeSandboxProvider
+from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text, user_prompt
+from tests.helpers import assert_eventually, kinds, math_request
+from tests.postgres import PostgresCluster, postgres_cluster_fixture, postgres_url_fixture  # noqa: F401
+
+pytestmark = pytest.mark.postgres
+
+
+class Member:
+    """One server of the test cluster, with its own fake sandboxes and scripted model."""
+
+    def __init__(self, name: str, url: str, release: asyncio.Event, **cluster: Any) -> None:
+        self.name = name
+        self.release = release
+        self.provider = FakeSandboxProvider(instance_id=instance_id(f"fake-{name}"))
+        self.backend = ScriptedChatBackend(self.script)
+        settings = load_settings(
+            None,
+            environ={},
+            overrides={
+                "server": {"port": 0, "instance_id": instance_id(name), "shutdown_grace_s": 0},
+                "phases": {"init": 2, "run": 2, "eval": 2},
+                "jobs": {"store": url},
+                "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
+                "cluster": {"lease_ttl_s": 4, "heartbeat_s": 0.5, "poll_s": 0.5, **cluster},
+            },
+        )
+        self.server = ProrlServer(settings, sandbox_provider=self.provider, backends=[self.backend])
+        self.client: Client | None = None
+
+    def script(self, messages: list[dict[str, Any]]) -> ScriptedReply:
+        question = user_prompt(messages)
+        if question == "hold":
+            return ScriptedReply(tool_call_text("finish", {"answer": "42"}), wait_for=self.release)
+        return ScriptedReply(tool_call_text("finish", {"answer": question.split()[-1]}), delay_s=0.05)
+
+    @property
+    def id(self) -> str:
+        return self.server.settings.server.instance_id
+
+    async def start(self) -> Member:
+        await self.server.start()
+        self.client = Client.connect(self.server.address)
+        return self
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+        await self.server.stop()
+        assert self.provider.busy == 0 and leftovers(self.provider) == []
+
+    @property
+    def rpc(self) -> Client:
+        assert self.client is not None
+        return self.client
+
+    def claimed(self) -> int:
+        coordinator = self.server._coordinator
+        assert coordinator is not None
+        return coordinator.claimed
+
+
+def leftovers(provider: FakeSandboxProvider) -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob(f"prorl-{provider.instance_id}-*"))
+
+
+Cluster = Callable[..., Awaitable[Member]]
+
+
+@pytest_asyncio.fixture
+async def cluster(postgres_url: str) -> AsyncIterator[Cluster]:
+    """Start servers on one database: `await cluster("a")`, `await cluster("f", run_jobs=False)`."""
+    release = asyncio.Event()
+    members: list[Member] = []
+
+    async def start(name: str, **settings: Any) -> Member:
+        member = Member(name, postgres_url, release, **settings)
+        members.append(member)
+        return await member.start()
+
+    yield start
+    release.set()
+    for member in reversed(members):
+        await member.stop()
+
+
+async def held_on(members: list[Member], count: int = 1) -> Member:
+    """The server whose model holds `count` jobs."""
+    await assert_eventually(
+        lambda: sum(member.backend.in_flight for member in members) == count, message="jobs never got held"
+    )
+    return next(member for member in members if member.backend.in_flight)
+
+
+async def test_jobs_submitted_to_one_server_run_on_every_server(cluster: Cluster) -> None:
+    a, b, c = [await cluster(name) for name in ("a", "b", "c")]
+    requests = [math_request(f"answer {n}", str(n), job_id=f"j{n}") for n in range(90)]
+
+    results = {}
+    async for event in a.rpc.rollout_many(requests):
+        assert not isinstance(event, v1.RolloutRejected), event
+        if event.HasField("finished"):
+            results[event.job_id] = event.finished.result
+
+    assert sorted(results) == sorted(request.job_id for request in requests)
+    assert all(r.status == v1.JOB_STATUS_SUCCEEDED and r.reward == 1.0 for r in results.values())
+    shares = {member.name: member.claimed() for member in (a, b, c)}
+    assert sum(shares.values()) == 90, shares  # each job claimed once
+    assert all(share >= 18 for share in shares.values()), shares  # at least 20% each
+    listed = await c.rpc.list_jobs(statuses=[v1.JOB_STATUS_SUCCEEDED], page_size=1000)
+    assert len(listed.jobs) == 90
+
+
+async def test_watch_on_any_server_gives_the_same_events_live_and_replayed(cluster: Cluster) -> None:
+    members = [await cluster(name) for name in ("a", "b", "c")]
+    a = members[0]
+    await a.rpc.submit(math_request("hold", job_id="held"))
+    holder = await held_on(members)
+    other = next(member for member in members if member is not holder and member is not a)
+
+    async def watch(member: Member) -> list[v1.RolloutEvent]:
+        return [event async for event in member.rpc.watch("held")]
+
+    live = [asyncio.create_task(watch(member)) for member in members]
+    await assert_eventually(lambda: other.server.jobs is not None, message="no job service")
+    await asyncio.sleep(0.5)  # the watchers follow the live job (its events so far replayed)
+    holder.release.set()
+    on_holder, on_a, on_other = await asyncio.gather(*live)
+
+    assert kinds(on_holder)[-1] == "finished" and on_holder[-1].finished.result.reward == 1.0
+    assert on_a == on_holder and on_other == on_holder
+    assert [event async for event in other.rpc.watch("held")] == on_holder  # replayed after the end
+    assert [event async for event in a.rpc.watch("held", after_seq=3)] == on_holder[3:]
+    job = await other.rpc.get_job("held")
+    assert job.status == v1.JOB_STATUS_SUCCEEDED and job.last_seq == len(on_holder)
+
+
+async def test_cancel_reaches_a_job_on_another_server(cluster: Cluster) -> None:
+    members = [await cluster(name) for name in ("a", "b")]
+    await members[0].rpc.submit(math_request("hold", job_id="c1"))
+    holder = await held_on(members)
+    elsewhere = next(member for member in members if member is not holder)
+
+    job = await elsewhere.rpc.cancel("c1", reason="enough")
+
+    assert job.status == v1.JOB_STATUS_CANCELLED
+    assert job.result.failure.reason == "cancelled" and job.result.failure.message == "enough"
+    assert holder.backend.in_flight == 0 and holder.provider.busy == 0
+
+
+async def test_a_front_accepts_and_a_queued_job_is_cancelled_in_the_store(cluster: Cluster) -> None:
+    front = await cluster("front", run_jobs=False)
+    submitted = await front.rpc.submit(math_request("answer 7", "7", job_id="q1"))
+    assert submitted.created and submitted.job.status == v1.JOB_STATUS_QUEUED
+
+    job = await front.rpc.cancel("q1")
+    assert job.status == v1.JOB_STATUS_CANCELLED
+    events = [event async for event in front.rpc.watch("q1")]
+    assert kinds(events) == ["queued", "finished"]
+
+    await front.rpc.submit(math_request("answer 8", "8", job_id="q2"))
+    worker = await cluster("worker")  # a server that runs jobs joins: the queue drains
+    events = [event async for event in front.rpc.watch("q2")]
+    assert events[-1].finished.result.reward == 1.0 and worker.claimed() == 1
+    with pytest.raises(RpcError) as refused:
+        await front.rpc.submit(math_request("answer 9", "9", job_id="q2"))
+    assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+    again = await worker.rpc.submit(math_request("answer 8", "8", job_id="q2"))
+    assert not again.created and again.job.status == v1.JOB_STATUS_SUCCEEDED
+
+
+async def test_admin_changes_apply_to_every_server(cluster: Cluster) -> None:
+    a, b, c = [await cluster(name) for name in ("a", "b", "c")]
+    backend = v1.Backend(id="shared", kind=v1.BACKEND_KIND_OPENAI_CHAT, base_url="http://127.0.0.1:9/v1")
+
+    await a.rpc.add_backend(backend)
+    for member in (a, b, c):
+        assert "shared" in [entry.id for entry in await member.rpc.list_backends()]
+    await b.rpc.pause()
+    assert [(await member.rpc.get_stats()).paused for member in (a, b, c)] == [True] * 3
+    assert await c.rpc.resume() == 1
+    assert await a.rpc.resume(policy_version=5) == 5
+    for member in (a, b, c):
+        stats = await member.rpc.get_stats()
+        assert (stats.paused, stats.policy_version) == (False, 5)
+    with pytest.raises(RpcError) as older:
+        await b.rpc.resume(policy_version=4)
+    assert older.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    await c.rpc.remove_backend("shared")
+    for member in (a, b, c):
+        assert "shared" not in [entry.id for entry in await member.rpc.list_backends()]
+
+    late = await cluster("late")  # a server that joins later applies what was done before
+    stats = await late.rpc.get_stats(include_cluster=True)
+    assert stats.policy_version == 5 and not stats.paused
+    assert "shared" not in [entry.id for entry in await late.rpc.list_backends()]
+    assert sorted(server.server_id for server in stats.servers if server.live) == sorted(
+        member.id for member in (a, b, c, late)
+    )
+
+
+async def test_cluster_stats_show_every_server_and_the_leases(cluster: Cluster) -> None:
+    members = [await cluster(name) for name in ("a", "b")]
+    await members[0].rpc.submit(math_request("hold", job_id="s1"))
+    holder = await held_on(members)
+
+    async def leases() -> dict[str, int]:
+        stats = await members[0].rpc.get_stats(include_cluster=True)
+        return {server.server_id: server.leases for server in stats.servers}
+
+    await assert_eventually(
+        lambda: _equals(leases(), {member.id: int(member is holder) for member in members}),
+        message="the holder never published its lease",
+    )
+    stats = await members[1].rpc.get_stats(include_cluster=True)
+    assert stats.server_id == members[1].id
+    assert {count.status: count.count for count in stats.cluster_jobs} == {v1.JOB_STATUS_RUNNING: 1}
+    assert all(server.live and server.runs_jobs and server.address for server in stats.servers)
+
+
+async def _equals(value: Awaitable[Any], expected: Any) -> bool:
+    return await value == expected
+
+
+async def test_a_server_that_stops_hands_its_running_jobs_to_a_peer(cluster: Cluster) -> None:
+    members = [await cluster(name) for name in ("a", "b")]
+    request = math_request("hold", job_id="h1")
+    request.retry.max_restarts = 1
+    await members[0].rpc.submit(request)
+    holder = await held_on(members)
+    peer = next(member for member in members if member is not holder)
+
+    await holder.server.stop()  # grace 0: the job is handed back, not cancelled
+    holder.release.set()  # from now on the peer's model answers at once
+    events = [event async for event in peer.rpc.watch("h1")]
+
+    assert events[-1].finished.result.status == v1.JOB_STATUS_SUCCEEDED
+    queued = [event.queued.attempt for event in events if event.HasField("queued")]
+    assert queued == [1, 2] and peer.claimed() == 1
+    assert [event.seq for event in events] == list(range(1, len(events) + 1))
+
+
+async def test_without_the_store_submissions_are_refused_and_health_says_so(
+    cluster: Cluster, postgres_cluster: PostgresCluster
+) -> None:
+    a, b = [await cluster(name) for name in ("a", "b")]
+    await a.rpc.submit(math_request("hold", job_id="o1"))
+    holder = await held_on([a, b])
+    channel = grpc.aio.insecure_channel(a.server.address)
+    health = health_pb2_grpc.HealthStub(channel)
+
+    async def serving() -> bool:
+        answer = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+
+    postgres_cluster.stop()
+    try:
+        with pytest.raises(RpcError) as refused:
+            await a.rpc.submit(math_request("answer 1", "1", job_id="o2"))
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "job store cannot be reached" in refused.value.details
+        await assert_eventually(lambda: _not(serving()), message="health never said NOT_SERVING")
+        holder.release.set()  # the held job ends while the store is down: its result waits
+        await assert_eventually(lambda: holder.backend.in_flight == 0, message="the job never ended")
+    finally:
+        postgres_cluster.start()
+    await assert_eventually(serving, timeout_s=30, message="health never came back")
+    events = [event async for event in b.rpc.watch("o1")]
+    assert events[-1].finished.result.status == v1.JOB_STATUS_SUCCEEDED
+    assert [event.seq for event in events] == list(range(1, len(events) + 1))
+    submitted = await b.rpc.submit(math_request("answer 2", "2", job_id="o2"))
+    assert submitted.created
+    done = [event async for event in a.rpc.watch("o2")]
+    assert done[-1].finished.result.reward == 1.0
+    listed = await a.rpc.list_jobs(page_size=100)
+    assert sorted(job.job_id for job in listed.jobs) == ["o1", "o2"]
+    await channel.close()
+
+
+async def _not(value: Awaitable[bool]) -> bool:
+    return not await value
