@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Generate Go stubs from proto/ and build the example client, offline.
+# Generate Go stubs from proto/ and build the example clients, offline.
 #
 # No Go module proxy is reachable here, so this builds in GOPATH mode against
 # Debian's packaged sources (golang-google-grpc-dev, golang-google-protobuf-dev
 # under /usr/share/gocode). Needs: golang-go protoc-gen-go protoc-gen-go-grpc
-# protobuf-compiler. Output: examples/go/bin/rollout-client
+# protobuf-compiler. Output: examples/go/bin/rollout-client (one server, RolloutStream)
+# and examples/go/bin/cluster-client (several servers, round_robin, Submit + Watch).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -21,6 +22,10 @@ protoc -I "$root/proto" --go_out="$gen" --go_opt=paths=source_relative \
 mv "$gen"/prorl/v1/* "$gen"/ && rm -rf "$gen/prorl"
 mkdir -p "$here/bin"
 cd "$here"
-GO111MODULE=off GOPATH="$here:/usr/share/gocode" GOCACHE="${GOCACHE:-/tmp/prorl-go-cache}" GOFLAGS= \
-    go build -o "$here/bin/rollout-client" rolloutclient
-echo "built $here/bin/rollout-client"
+build() {
+    GO111MODULE=off GOPATH="$here:/usr/share/gocode" GOCACHE="${GOCACHE:-/tmp/prorl-go-cache}" GOFLAGS= \
+        go build -o "$here/bin/$1" "$2"
+    echo "built $here/bin/$1"
+}
+build rollout-client rolloutclient
+build cluster-client clusterclient

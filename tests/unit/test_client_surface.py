@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 
 from prorl_client._proto.prorl.v1 import admin_service_pb2, rollout_service_pb2
@@ -25,6 +26,14 @@ def test_every_rpc_has_a_client_method() -> None:
 
 def test_public_surface() -> None:
     assert sorted(prorl_client.__all__) == ["Client", "RpcError", "connect", "v1"]
+
+
+def test_connect_takes_a_target_and_keyword_only_options() -> None:
+    parameters = inspect.signature(Client.connect).parameters
+    assert list(parameters) == ["target", "load_balancing", "credentials", "token", "metadata", "options"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for name, p in parameters.items() if name != "target")
+    # prorl_client.connect is the same call.
+    assert inspect.signature(prorl_client.connect) == inspect.signature(Client.connect)
 
 
 def test_rpc_names_follow_the_contract() -> None:

@@ -1,10 +1,24 @@
-"""The asyncio client: one method per RPC of the contract."""
+"""The asyncio client: one method per RPC of the contract, plus `follow`, a Watch that
+survives the loss of its server.
+
+One client can stand for several servers sharing a job store: `Client.connect`
+takes a list of addresses, or a DNS name with many addresses, and balances calls
+over them with gRPC's `round_robin` policy. Each call (a stream included) goes to
+one server; when a server goes away its calls fail with UNAVAILABLE and new calls
+go to the servers left, so `follow` resumes a job's events on another server from
+the last sequence number it saw.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+import asyncio
+import contextlib
+import ipaddress
+import json
+import random
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import grpc
 
@@ -12,6 +26,11 @@ from prorl_client import v1
 from prorl_client._errors import RpcError
 
 T = TypeVar("T")
+
+LoadBalancing = Literal["round_robin", "pick_first"]
+
+# `follow` waits this long at most between two attempts.
+MAX_BACKOFF_S = 10.0
 
 
 async def _unary(call: Awaitable[T]) -> T:
@@ -29,8 +48,56 @@ async def _stream(call: AsyncIterable[T]) -> AsyncIterator[T]:
         raise RpcError.from_grpc(exc) from exc
 
 
+def multi_address_target(addresses: Sequence[str]) -> str:
+    """One gRPC target for several servers given as "IP:PORT" ("[IPv6]:PORT"):
+    `ipv4:10.0.0.1:50051,10.0.0.2:50051` (or `ipv6:...`), as gRPC's core resolves it.
+
+    Raises ValueError for anything but IP addresses with ports of one family:
+    gRPC's address lists take no host names (a name with many addresses is
+    one target, `dns:///NAME:PORT`).
+    """
+    if not addresses:
+        raise ValueError("no server addresses given")
+    versions = set()
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        bracketed = host.startswith("[") and host.endswith("]")
+        try:
+            ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+        except ValueError:
+            raise ValueError(
+                f"{address!r} is not IP:PORT; a list takes IP addresses (IPv6 as [IP]:PORT), "
+                "a host name with many addresses is one target: 'dns:///NAME:PORT'"
+            ) from None
+        if bracketed != (ip.version == 6) or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{address!r} is not IP:PORT (IPv6 as [IP]:PORT)")
+        versions.add(ip.version)
+    if len(versions) > 1:
+        raise ValueError("a list of servers takes IPv4 or IPv6 addresses, not both")
+    return f"ipv{versions.pop()}:" + ",".join(addresses)
+
+
+def _channel_options(
+    options: Sequence[tuple[str, object]], load_balancing: LoadBalancing | None, *, implied: LoadBalancing | None
+) -> list[tuple[str, object]]:
+    """The channel's options: ours, the caller's, then the balancing policy as a service
+    config, the one given or else the one the target implies. A "grpc.service_config" of
+    the caller's own replaces an implied policy and cannot be combined with a given one."""
+    opts: list[tuple[str, object]] = [("grpc.max_receive_message_length", 64 * 1024 * 1024), *options]
+    if load_balancing not in (None, "round_robin", "pick_first"):
+        raise ValueError(f"load_balancing must be 'round_robin' or 'pick_first', got {load_balancing!r}")
+    if any(name == "grpc.service_config" for name, _ in options):
+        if load_balancing is not None:
+            raise ValueError("give load_balancing or a grpc.service_config option, not both")
+        return opts
+    policy = load_balancing or implied
+    if policy is None:
+        return opts
+    return [*opts, ("grpc.service_config", json.dumps({"loadBalancingConfig": [{policy: {}}]}))]
+
+
 class Client:
-    """A connection to a prorl server.
+    """A connection to a prorl server, or to several that share a job store.
 
     Create with `Client.connect(target)` (or `prorl_client.connect`) and close
     with `await client.close()`, or use `async with`.
@@ -45,24 +112,38 @@ class Client:
     @classmethod
     def connect(
         cls,
-        target: str,
+        target: str | Sequence[str],
         *,
+        load_balancing: LoadBalancing | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[tuple[str, object]] = (),
     ) -> Client:
-        """Open a channel to `target` ("host:port").
+        """Open a channel to `target`: one server ("host:port"), a DNS name that
+        resolves to several ("dns:///prorl.example:50051"), or a list of servers'
+        "IP:PORT" (["10.0.0.1:50051", "10.0.0.2:50051"], IPv6 as "[IP]:PORT").
 
+        load_balancing: how calls are spread over the target's addresses, set as
+            the channel's service config: "round_robin" (each call to the next
+            ready server) or "pick_first" (all calls to one server until it goes
+            away). None: "round_robin" for a list, gRPC's default ("pick_first")
+            for a single target. An own "grpc.service_config" in `options` takes
+            the place of the implied one.
         credentials: TLS channel credentials (grpc.ssl_channel_credentials(...));
-            None for a plaintext channel.
+            None for a plaintext channel. Over a list of addresses, also name the
+            host the servers' certificates are for:
+            options=[("grpc.ssl_target_name_override", "prorl.example")].
         token: a bearer token, sent as `authorization: Bearer <token>` with every call.
         metadata: more metadata sent with every call.
         options: gRPC channel options, e.g. ("grpc.max_receive_message_length", n).
         """
         if token:
             metadata = (("authorization", f"Bearer {token}"), *metadata)
-        opts = [("grpc.max_receive_message_length", 64 * 1024 * 1024), *options]
+        implied: LoadBalancing | None = None
+        if not isinstance(target, str):
+            target, implied = multi_address_target(target), "round_robin"
+        opts = _channel_options(options, load_balancing, implied=implied)
         if credentials is None:
             channel = grpc.aio.insecure_channel(target, options=opts)
         else:
@@ -123,11 +204,46 @@ class Client:
         """Queue a job; returns at once. Idempotent on request.job_id."""
         return await _unary(self._rollouts.Submit(v1.SubmitRequest(rollout=request), metadata=self._metadata))
 
-    async def watch(self, job_id: str, *, after_seq: int = 0) -> AsyncIterator[v1.RolloutEvent]:
+    async def watch(self, job_id: str, *, after_seq: int = 0) -> AsyncGenerator[v1.RolloutEvent, None]:
         """Replay a job's events after `after_seq`, then follow it to the end."""
         call = self._rollouts.Watch(v1.WatchRequest(job_id=job_id, after_seq=after_seq), metadata=self._metadata)
         async for response in _stream(call):
             yield response.event
+
+    async def follow(
+        self, job_id: str, *, after_seq: int = 0, retries: int = 5, backoff_s: float = 0.2
+    ) -> AsyncIterator[v1.RolloutEvent]:
+        """Like `watch`, but carries on when the stream's server goes away.
+
+        When the stream breaks with UNAVAILABLE (its server stopped, restarted
+        or is unreachable), Watch is called again after the last seq seen; on a
+        channel over several servers sharing a job store that call goes to
+        another one. Each event is yielded once, in order, to the job's end.
+
+        retries: how many times in a row a broken stream is resumed without an
+            event coming in between; then its RpcError is raised. Any other
+            error is raised at once.
+        backoff_s: the wait before the first resumption; it doubles with each
+            further one in a row (up to 10 s), randomised by up to half so that
+            many followers do not resume in step.
+        """
+        failures = 0
+        while True:
+            try:
+                async with contextlib.aclosing(self.watch(job_id, after_seq=after_seq)) as events:
+                    async for event in events:
+                        if event.seq <= after_seq:
+                            continue  # already yielded before a resumption
+                        failures = 0
+                        after_seq = event.seq
+                        yield event
+                return
+            except RpcError as exc:
+                if exc.code != grpc.StatusCode.UNAVAILABLE or failures >= retries:
+                    raise
+            delay = min(MAX_BACKOFF_S, backoff_s * 2**failures)
+            failures += 1
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
 
     async def get_job(self, job_id: str) -> v1.Job:
         response: v1.GetJobResponse = await _unary(
@@ -185,10 +301,12 @@ class Client:
         response: v1.ResumeResponse = await _unary(self._admin.Resume(request, metadata=self._metadata))
         return response.policy_version
 
-    async def get_stats(self) -> v1.GetStatsResponse:
-        return await _unary(self._admin.GetStats(v1.GetStatsRequest(), metadata=self._metadata))
+    async def get_stats(self, *, include_cluster: bool = False) -> v1.GetStatsResponse:
+        """The server's load; with include_cluster, also every server of its cluster
+        (servers sharing a PostgreSQL job store) and the cluster's jobs by status."""
+        request = v1.GetStatsRequest(include_cluster=include_cluster)
+        return await _unary(self._admin.GetStats(request, metadata=self._metadata))
 
 
-def connect(target: str, **kwargs: object) -> Client:
-    """Shorthand for `Client.connect(target, **kwargs)`."""
-    return Client.connect(target, **kwargs)  # type: ignore[arg-type]
+# `prorl_client.connect(...)` is `Client.connect(...)`, the same parameters by construction.
+connect = Client.connect
