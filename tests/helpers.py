@@ -87,8 +87,15 @@ class ServeProcess:
             return await self.process.wait()
 
     async def __aexit__(self, *exc_info: object) -> None:
+        """Stop it as an operator would (SIGTERM: it removes its sandboxes), killed if it
+        does not end within 30 s."""
         assert self.process is not None
         if self.process.returncode is None:
-            self.process.kill()
-            await self.process.wait()
+            self.process.terminate()
+            try:
+                async with asyncio.timeout(30):
+                    await self.process.wait()
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
         await self._drain

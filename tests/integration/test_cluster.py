@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -266,12 +267,15 @@ async def test_a_server_that_stops_hands_its_running_jobs_to_a_peer(cluster: Clu
     assert [event.seq for event in events] == list(range(1, len(events) + 1))
 
 
-async def test_without_the_store_submissions_are_refused_and_health_says_so(
+async def test_ten_seconds_without_the_store_lose_no_job_and_refuse_submissions(
     cluster: Cluster, postgres_cluster: PostgresCluster
 ) -> None:
-    a, b = [await cluster(name) for name in ("a", "b")]
-    await a.rpc.submit(math_request("hold", job_id="o1"))
-    holder = await held_on([a, b])
+    """PostgreSQL stopped for 10 s while 8 jobs run (leases of 20 s outlast it)."""
+    a, b = [await cluster(name, lease_ttl_s=20) for name in ("a", "b")]
+    ids = [f"o{n}" for n in range(8)]
+    for job_id in ids:
+        await a.rpc.submit(math_request("hold", job_id=job_id))
+    await held_on([a, b], count=4)  # 2 jobs held by each server's model (run limit 2), 4 queued
     channel = grpc.aio.insecure_channel(a.server.address)
     health = health_pb2_grpc.HealthStub(channel)
 
@@ -280,26 +284,31 @@ async def test_without_the_store_submissions_are_refused_and_health_says_so(
         return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
     postgres_cluster.stop()
+    stopped = time.monotonic()
     try:
         with pytest.raises(RpcError) as refused:
-            await a.rpc.submit(math_request("answer 1", "1", job_id="o2"))
+            await a.rpc.submit(math_request("answer 1", "1", job_id="late"))
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE
         assert "job store cannot be reached" in refused.value.details
         await assert_eventually(lambda: _not(serving()), message="health never said NOT_SERVING")
-        holder.release.set()  # the held job ends while the store is down: its result waits
-        await assert_eventually(lambda: holder.backend.in_flight == 0, message="the job never ended")
+        a.release.set()  # the running jobs end while the store is down: their results wait
+        await assert_eventually(lambda: a.backend.in_flight + b.backend.in_flight == 0, message="jobs never ended")
+        await asyncio.sleep(max(0.0, 10 - (time.monotonic() - stopped)))  # the outage lasts 10 s
     finally:
         postgres_cluster.start()
     await assert_eventually(serving, timeout_s=30, message="health never came back")
-    events = [event async for event in b.rpc.watch("o1")]
-    assert events[-1].finished.result.status == v1.JOB_STATUS_SUCCEEDED
-    assert [event.seq for event in events] == list(range(1, len(events) + 1))
-    submitted = await b.rpc.submit(math_request("answer 2", "2", job_id="o2"))
+    for job_id in ids:
+        events = [event async for event in b.rpc.watch(job_id)]
+        assert [event.seq for event in events] == list(range(1, len(events) + 1)), job_id
+        assert kinds(events).count("finished") == 1 and kinds(events).count("queued") == 1, job_id
+        assert events[-1].finished.result.status == v1.JOB_STATUS_SUCCEEDED, job_id
+    assert a.claimed() + b.claimed() == len(ids)  # each job claimed once
+    submitted = await b.rpc.submit(math_request("answer 2", "2", job_id="late"))
     assert submitted.created
-    done = [event async for event in a.rpc.watch("o2")]
+    done = [event async for event in a.rpc.watch("late")]
     assert done[-1].finished.result.reward == 1.0
     listed = await a.rpc.list_jobs(page_size=100)
-    assert sorted(job.job_id for job in listed.jobs) == ["o1", "o2"]
+    assert sorted(job.job_id for job in listed.jobs) == sorted([*ids, "late"])
     await channel.close()
 
 
