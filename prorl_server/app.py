@@ -35,6 +35,7 @@ from prorl_server.cluster.store import ClusterStore
 from prorl_server.config import ConfigError, Settings
 from prorl_server.gateway.aiohttp_adapter import GatewayServer
 from prorl_server.gateway.directory import GatewayDirectory
+from prorl_server.jobs.event_writer import FLUSH_INTERVAL_S
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.phases import PhaseGate, phase_gates
 from prorl_server.jobs.pipeline import Pipeline
@@ -59,6 +60,7 @@ log = structlog.get_logger(__name__)
 
 SERVICE_NAMES = ("prorl.v1.RolloutService", "prorl.v1.AdminService")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CLUSTER_FLUSH_INTERVAL_S = 0.05
 
 
 class ProrlServer:
@@ -154,6 +156,8 @@ class ProrlServer:
             store=self._store,
             persist_retry_s=settings.cluster.lease_ttl_s if cluster else 0.0,
             handover=self._hand_back if cluster else None,
+            # A cluster's watchers see an event once it is stored: write them sooner.
+            flush_interval_s=CLUSTER_FLUSH_INTERVAL_S if cluster else FLUSH_INTERVAL_S,
         )
         await self.manager.restore()
         if settings.server.metrics_port is not None:

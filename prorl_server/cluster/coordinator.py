@@ -43,6 +43,8 @@ from prorl_server.stats import ServerStats
 
 log = structlog.get_logger(__name__)
 
+RETENTION_EVERY_S = 60.0
+"""How often a server deletes the jobs past jobs.retain_finished_s (any server may: it is idempotent)."""
 LEASE_LOST = (
     "this server lost its lease on the job (it could not reach the job store for cluster.lease_ttl_s); "
     "another server takes it over"
@@ -78,6 +80,8 @@ class ClusterCoordinator:
         self._claiming: asyncio.Task[None] | None = None
         self._renewed = time.monotonic()
         self._handed_back: set[str] = set()
+        self._retain_s = settings.jobs.retain_finished_s
+        self._next_retention = time.monotonic() + RETENTION_EVERY_S
         self.claimed = 0
         """Jobs claimed since the start."""
 
@@ -185,6 +189,9 @@ class ClusterCoordinator:
             if lease.cancel_reason:
                 self._manager.request_cancel(lease.job_id, lease.cancel_reason)
         await self._store.take_over()
+        if time.monotonic() >= self._next_retention:
+            self._next_retention = time.monotonic() + RETENTION_EVERY_S
+            await self._store.forget_finished(self._retain_s)
         await self._publish(leases=len(leases))
         await self._serve(True)
 

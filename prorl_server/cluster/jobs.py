@@ -118,10 +118,13 @@ class ClusterJobs:
             raise InvalidArgument(f"after_seq must not be negative, got {after_seq}")
         local = self._manager.local(job_id)
         if local is not None and not local.finished:
-            async for event in local.events.follow(after_seq):
+            # Only what is in the store: the same events any server shows, even if this one dies now.
+            async for event in local.events.follow(after_seq, durable_only=True):
                 yield event
-            return
-        if await self._reach("read the job", self._store.job(job_id)) is None:
+                after_seq = event.seq
+            if not local.events.durability_lost:
+                return
+        elif await self._reach("read the job", self._store.job(job_id)) is None:
             raise NotFound(f"no job with id {job_id!r} (never submitted, or finished and no longer retained)")
         async for event in self._follow_stored(job_id, after_seq):
             yield event

@@ -182,8 +182,13 @@ class ClusterStore(PostgresJobStore):
 
     async def load(self, retain_s: float) -> list[StoredJob]:
         """Only deletes finished jobs past retention: no job is this server's at start."""
-        await self.pool.execute(f"DELETE FROM jobs WHERE end_time < {NOW} - $1", retain_s)
+        await self.forget_finished(retain_s)
         return []
+
+    async def forget_finished(self, retain_s: float) -> int:
+        """Delete the jobs that ended more than `retain_s` ago (their events go with them)."""
+        done = await self.pool.execute(f"DELETE FROM jobs WHERE end_time < {NOW} - $1", retain_s)
+        return int(done.split()[-1])
 
     def claimed_ids(self) -> list[str]:
         """The jobs this server holds now."""

@@ -3,6 +3,13 @@
 Listeners (add_listener) are told of each event as it is appended, synchronously:
 the job manager's EventWriter uses this to send running jobs' events to the store.
 A listener must be quick and must not raise.
+
+Durability (a cluster's jobs): `durable_seq` is how far the log is in the shared
+store. A follower that asks for durable events only (`follow(durable_only=True)`)
+never sees an event the store does not have, so that what it saw is what any
+other server shows, even if this server dies the next moment. If the log can
+no longer become durable (`durability_lost`), such a follower ends early and
+goes on from the store.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ class EventLog:
         self._changed = asyncio.Event()
         self.closed = False
         self._listeners: list[Listener] = []
+        self.durable_seq = 0
+        """The events up to this seq are in the store (tracked for a cluster's jobs only)."""
+        self.durability_lost = False
 
     @classmethod
     def restored(cls, job_id: str, events: list[v1.RolloutEvent], *, closed: bool = True) -> EventLog:
@@ -61,6 +71,16 @@ class EventLog:
             listener(event)
         return event
 
+    def mark_durable(self, seq: int) -> None:
+        if seq > self.durable_seq:
+            self.durable_seq = min(seq, len(self._events))
+            self._notify()
+
+    def lose_durability(self) -> None:
+        """The rest of the log will not reach the store (its final write failed)."""
+        self.durability_lost = True
+        self._notify()
+
     def close(self) -> None:
         """No more events: followers end once they have read everything."""
         self.closed = True
@@ -73,13 +93,17 @@ class EventLog:
     def events(self) -> list[v1.RolloutEvent]:
         return list(self._events)
 
-    async def follow(self, after_seq: int = 0) -> AsyncIterator[v1.RolloutEvent]:
-        """Events with seq > after_seq, then new ones as they come, until closed."""
+    async def follow(self, after_seq: int = 0, *, durable_only: bool = False) -> AsyncIterator[v1.RolloutEvent]:
+        """Events with seq > after_seq, then new ones as they come, until closed (with
+        `durable_only`, each once it is in the store; see the module's docstring)."""
         index = max(after_seq, 0)
         while True:
-            while index < len(self._events):
+            limit = min(self.durable_seq, len(self._events)) if durable_only else len(self._events)
+            while index < limit:
                 yield self._events[index]
                 index += 1
-            if self.closed:
+            if self.closed and (index >= len(self._events) or self.durability_lost):
+                return
+            if durable_only and self.durability_lost:
                 return
             await self._changed.wait()

@@ -192,6 +192,9 @@ class EventWriter:
                 continue
             try:
                 await self._store.appended(job_id, events)
+                followed = self._followed.get(job_id)
+                if followed is not None:
+                    followed[0].mark_durable(events[-1].seq)
             except Exception as exc:  # any store failure: keep the events, try again
                 if job_id in self._followed:
                     retry.extend(events)

@@ -34,7 +34,7 @@ from prorl_server.errors import (
     Unavailable,
 )
 from prorl_server.jobs.event_log import EventLog
-from prorl_server.jobs.event_writer import EventWriter
+from prorl_server.jobs.event_writer import FLUSH_INTERVAL_S, EventWriter
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
 from prorl_server.jobs.store import JobStore, StoredJob
@@ -60,17 +60,19 @@ class JobManager:
         store: JobStore | None = None,
         persist_retry_s: float = 0.0,
         handover: Callable[[JobRecord], None] | None = None,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
     ) -> None:
         """`persist_retry_s`: how long a job's final write is retried while the store
         fails (0: tried once). `handover`: called for each job still running when
-        shutdown cancels it (a cluster gives it to a peer instead)."""
+        shutdown cancels it (a cluster gives it to a peer instead). `flush_interval_s`:
+        the longest a running job's event waits before it is written to the store."""
         self._settings = settings
         self._persist_retry_s = persist_retry_s
         self._handover = handover
         self._registry = registry
         self._metrics = metrics
         self._store = store
-        self._writer = EventWriter(store) if store is not None else None
+        self._writer = EventWriter(store, flush_interval_s=flush_interval_s) if store is not None else None
         self._pipeline = pipeline
         self._jobs: dict[str, JobRecord] = {}
         self._finished: collections.deque[str] = collections.deque()
@@ -124,6 +126,7 @@ class JobManager:
         """Run a job queued elsewhere (a cluster's store) that this server now holds: its
         log goes on after the events stored so far (its `queued` event among them)."""
         events = EventLog.restored(item.job_id, item.events, closed=False)
+        events.mark_durable(len(item.events))
         try:
             plan = resolve_plan(item.request, self._settings, self._registry)
         except ProrlError as exc:  # e.g. a handler or image this server does not have
@@ -218,8 +221,10 @@ class JobManager:
                     await store.finished(
                         job.job_id, job.status, job.end_time or time.time(), result, job.events.events()
                     )
+            job.events.mark_durable(job.events.last_seq)
         except Exception as exc:  # the job's outcome stands in memory; say why it is not durable
             log.error("job_store_write_failed", error=str(exc))
+            job.events.lose_durability()
 
     async def restore(self) -> int:
         """Load the store: finished jobs come back as they were; jobs that were

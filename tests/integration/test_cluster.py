@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import grpc
 import pytest
 import pytest_asyncio
@@ -160,6 +161,25 @@ async def test_watch_on_any_server_gives_the_same_events_live_and_replayed(clust
     assert [event async for event in a.rpc.watch("held", after_seq=3)] == on_holder[3:]
     job = await other.rpc.get_job("held")
     assert job.status == v1.JOB_STATUS_SUCCEEDED and job.last_seq == len(on_holder)
+
+
+async def test_a_watcher_never_sees_an_event_the_store_does_not_have(cluster: Cluster, postgres_url: str) -> None:
+    """So a client that saw seq N on a server that then dies resumes elsewhere with after_seq=N
+    and misses nothing: each event reaches watchers once it is stored, on the holder too."""
+    a = await cluster("a")
+    conn = await asyncpg.connect(postgres_url)
+    try:
+        await a.rpc.submit(math_request("hold", job_id="d1"))
+        await held_on([a])  # the job is a's now: a's watchers follow its log in memory
+        a.release.set()
+        seen = []
+        async for event in a.rpc.watch("d1"):
+            stored = await conn.fetchval("SELECT event FROM job_events WHERE job_id = 'd1' AND seq = $1", event.seq)
+            assert stored is not None and v1.RolloutEvent.FromString(stored) == event, event
+            seen.append(event)
+    finally:
+        await conn.close()
+    assert kinds(seen)[-1] == "finished" and len(seen) >= 5
 
 
 async def test_cancel_reaches_a_job_on_another_server(cluster: Cluster) -> None:
