@@ -74,3 +74,29 @@ def test_cap_output_keeps_head_and_tail_and_says_so() -> None:
     assert truncated and text.startswith("a" * 25) and text.endswith("b" * 25)
     assert "150 bytes of output truncated" in text
     assert cap_output(b"short", 50) == ("short", False)
+
+
+async def test_a_durable_follower_sees_only_what_is_stored_and_ends_if_the_rest_never_will_be() -> None:
+    log = EventLog("j")
+    log.append(queued=v1.JobQueued())
+    log.append(phase_started=v1.PhaseStarted(phase=v1.PHASE_INIT))
+    seen: list[int] = []
+
+    async def follow() -> None:
+        async for event in log.follow(durable_only=True):
+            seen.append(event.seq)
+
+    follower = asyncio.create_task(follow())
+    await asyncio.sleep(0)
+    assert seen == []  # nothing stored yet
+    log.mark_durable(1)
+    await asyncio.sleep(0)
+    assert seen == [1]
+    log.append(finished=v1.JobFinished())
+    log.close()
+    await asyncio.sleep(0)
+    assert seen == [1] and not follower.done()  # closed, but seq 2 and 3 are not stored
+    log.lose_durability()  # the final write failed: the follower goes on from the store
+    await asyncio.wait_for(follower, 1)
+    assert seen == [1]
+    assert [event.seq async for event in log.follow()] == [1, 2, 3]  # a plain follower sees all
