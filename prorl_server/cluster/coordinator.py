@@ -11,9 +11,9 @@ Tasks, all owned here and stopped by `stop()`:
   phase recorded), stop those it no longer holds, pass on cancels it missed,
   take over jobs whose lease lapsed anywhere, publish its load. While the
   store cannot be reached its jobs go on (their events wait in the
-  EventWriter), health says NOT_SERVING, and once its leases may have lapsed
-  (cluster.lease_ttl_s without a renewal) it stops its jobs, which another
-  server then takes over.
+  EventWriter), health says NOT_SERVING, and a heartbeat before its leases
+  can lapse (cluster.lease_ttl_s after the last renewal) it stops its jobs,
+  which another server then takes over: a job never runs on two servers.
 - admin: apply AdminService operations recorded by any server (admin.py).
 
 At start a server first ends the leases it held before (it restarted after a
@@ -74,7 +74,8 @@ class ClusterCoordinator:
         self._stats = stats
         self._address = address
         self._set_serving = set_serving
-        self._serving: bool | None = None
+        self._serving = True
+        """The last heartbeat reached the store (it did at start)."""
         self._wake_claims = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._claiming: asyncio.Task[None] | None = None
@@ -140,7 +141,7 @@ class ClusterCoordinator:
     async def _claims(self) -> None:
         while True:
             free = self._slots - self._manager.live
-            if free > 0 and self._manager.accepting:
+            if free > 0 and self._manager.accepting and self._serving:  # no claim it could not renew
                 try:
                     claimed = await self._store.claim(free, self._cluster.lease_ttl_s)
                 except UNREACHABLE:
@@ -171,10 +172,13 @@ class ClusterCoordinator:
                 if not isinstance(exc, UNREACHABLE):
                     log.exception("cluster_heartbeat_failed")
                 await self._serve(False, error=str(exc) or type(exc).__name__)
-                if time.monotonic() - self._renewed > self._cluster.lease_ttl_s:
+                # Stop a heartbeat before the leases can lapse, so that no job ever runs here
+                # and on the server that takes it over at the same time.
+                if time.monotonic() - self._renewed > self._cluster.lease_ttl_s - self._cluster.heartbeat_s:
                     self._stop_unheld(set(self._store.claimed_ids()))
 
     async def _heartbeat(self) -> None:
+        asked = time.monotonic()  # the leases run from about now (the database's clock), not from the answer
         sent = self._store.claimed_ids()
         phases = {}
         for job_id in sent:
@@ -182,7 +186,7 @@ class ClusterCoordinator:
             if job is not None:
                 phases[job_id] = int(job.phase)
         leases = await self._store.renew(phases, self._cluster.lease_ttl_s)
-        self._renewed = time.monotonic()
+        self._renewed = asked
         held = {lease.job_id for lease in leases}
         self._stop_unheld({job_id for job_id in sent if job_id not in held})
         for lease in leases:

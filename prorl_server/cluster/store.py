@@ -40,7 +40,7 @@ from prorl_client import v1
 from prorl_server.errors import ResourceExhausted
 from prorl_server.jobs.postgres_store import PostgresJobStore
 from prorl_server.jobs.record import FINISHED_STATUSES
-from prorl_server.jobs.store import StoredJob
+from prorl_server.jobs.store import JobNotHeld, StoredJob
 
 log = structlog.get_logger(__name__)
 
@@ -156,7 +156,7 @@ class ClusterStore(PostgresJobStore):
     ) -> None:
         attempt = self._claims.get(job_id)
         if attempt is None:
-            return
+            raise JobNotHeld(f"job {job_id!r} is no longer held by server {self.server_id!r}")
         records = [(job_id, item.seq, item.SerializeToString()) for item in events]
         phase = result.failure.phase if result.HasField("failure") else v1.PHASE_EVAL
         async with self.pool.acquire() as conn, conn.transaction():
@@ -172,7 +172,8 @@ class ClusterStore(PostgresJobStore):
                 phase,
             )
             if updated == "UPDATE 0":
-                log.warning("job_result_dropped", job_id=job_id, reason="this server no longer holds the job")
+                self._claims.pop(job_id, None)
+                raise JobNotHeld(f"job {job_id!r} was taken over from server {self.server_id!r}")
             else:
                 await conn.execute("DELETE FROM job_events WHERE job_id = $1", job_id)
                 if records:

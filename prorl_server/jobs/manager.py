@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
-from tenacity import AsyncRetrying, stop_after_delay, wait_exponential
+from tenacity import AsyncRetrying, retry_if_not_exception_type, stop_after_delay, wait_exponential
 
 from prorl_client import v1
 from prorl_server.agents.registry import HandlerRegistry
@@ -37,7 +37,7 @@ from prorl_server.jobs.event_log import EventLog
 from prorl_server.jobs.event_writer import FLUSH_INTERVAL_S, EventWriter
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
-from prorl_server.jobs.store import JobStore, StoredJob
+from prorl_server.jobs.store import JobNotHeld, JobStore, StoredJob
 from prorl_server.jobs.uninterruptible import uninterruptible
 from prorl_server.jobs.validation import check_cancel_reason, check_job_id, resolve_plan
 from prorl_server.metrics import Metrics
@@ -215,6 +215,7 @@ class JobManager:
             async for attempt in AsyncRetrying(
                 stop=stop_after_delay(self._persist_retry_s),
                 wait=wait_exponential(multiplier=0.2, max=2.0),
+                retry=retry_if_not_exception_type(JobNotHeld),
                 reraise=True,
             ):
                 with attempt:
@@ -222,6 +223,9 @@ class JobManager:
                         job.job_id, job.status, job.end_time or time.time(), result, job.events.events()
                     )
             job.events.mark_durable(job.events.last_seq)
+        except JobNotHeld as exc:  # another server took it over: its outcome is the one that counts
+            log.warning("job_outcome_not_recorded", error=exc.message)
+            job.events.lose_durability()
         except Exception as exc:  # the job's outcome stands in memory; say why it is not durable
             log.error("job_store_write_failed", error=str(exc))
             job.events.lose_durability()

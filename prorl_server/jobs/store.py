@@ -38,6 +38,13 @@ class JobStoreError(ProrlError):
     reason = "job_store"
 
 
+class JobNotHeld(JobStoreError):
+    """A cluster's server writes a job's outcome it no longer holds (its lease lapsed and
+    another server took the job over): nothing is written, and trying again cannot help."""
+
+    reason = "job_not_held"
+
+
 @dataclass(frozen=True)
 class StoredJob:
     job_id: str

@@ -334,3 +334,35 @@ async def test_ten_seconds_without_the_store_lose_no_job_and_refuse_submissions(
 
 async def _not(value: Awaitable[bool]) -> bool:
     return not await value
+
+
+async def test_a_server_cut_off_from_the_store_stops_its_job_before_another_takes_it_over(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition: b runs, but its leases cannot be renewed. b stops the job a heartbeat
+    before its lease lapses, so it never runs on two servers at once; a runs it again."""
+    b = await cluster("b")
+    request = math_request("hold", job_id="p1")
+    request.retry.max_restarts = 1
+    await b.rpc.submit(request)
+    await held_on([b])
+    a = await cluster("a")
+    store = b.server._store
+    assert store is not None
+
+    async def unreachable(*_args: object, **_kwargs: object) -> None:
+        raise ConnectionRefusedError("cut off (test)")
+
+    monkeypatch.setattr(store, "renew", unreachable)
+    monkeypatch.setattr(store, "claim", unreachable)
+    await assert_eventually(lambda: b.backend.in_flight == 0, message="b never stopped its job")
+    stopped = time.time()
+    await assert_eventually(lambda: a.backend.in_flight == 1, message="a never took the job over")
+    b.release.set()
+    events = [event async for event in a.rpc.watch("p1")]
+
+    restarted = next(e for e in events if e.HasField("queued") and e.queued.attempt == 2)
+    assert restarted.time.ToNanoseconds() / 1e9 >= stopped  # taken over after b had stopped
+    assert events[-1].finished.result.status == v1.JOB_STATUS_SUCCEEDED
+    assert kinds(events).count("finished") == 1  # b's own ending of the job was never written
+    assert [event.seq for event in events] == list(range(1, len(events) + 1))
