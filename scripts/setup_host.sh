@@ -22,6 +22,8 @@ APT_PACKAGES+=(python3-venv python3-dev chromium)
 # own with these server binaries (tests/postgres.py); the system cluster this package
 # starts is not used by them.
 APT_PACKAGES+=(postgresql)
+# deploy/: a single-node Slurm of the tests' own runs the sbatch script (munge comes with it); shellcheck checks the scripts.
+APT_PACKAGES+=(slurm-wlm shellcheck)
 
 # npx runs buf (the contract's linter) from the npm registry.
 command -v npx >/dev/null 2>&1 || APT_PACKAGES+=(npm)
