@@ -11,7 +11,7 @@ export PYTHON
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo clean-containers bench bench-sandbox bench-llm bench-load
+.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo clean-containers bench bench-sandbox bench-llm bench-load bench-cluster
 
 setup: setup-host setup-python images
 
@@ -74,7 +74,7 @@ test-all: setup proto-check lint test-without-podman
 	$(PYTEST) -q
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
-bench: bench-sandbox bench-llm bench-load
+bench: bench-sandbox bench-llm bench-load bench-cluster
 
 bench-sandbox: setup
 	$(PIP) install --quiet -e '.[bench]'
@@ -87,6 +87,9 @@ bench-llm: setup
 # 1,000 jobs through one RolloutStream, 64 sandboxes at once; fails unless the server gets back to its baseline.
 bench-load: setup
 	$(PYTHON) bench/load.py
+
+bench-cluster: setup
+	$(PYTHON) bench/cluster.py
 
 demo: setup
 	$(PYTHON) -m prorl_server demo --out demo_trajectories.jsonl

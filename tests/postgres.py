@@ -13,6 +13,7 @@ Each test gets a database of its own (`postgres_url`), dropped after it.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import os
@@ -56,6 +57,9 @@ class PostgresCluster:
 
     def start(self) -> None:
         _pg_ctl_start(self.run_as, self.bin_dir, self.folder, self.options)
+
+    def postmaster_pid(self) -> int | None:
+        return _postmaster_pid(self.folder / "data")
 
     @property
     def socket_dir(self) -> Path:
@@ -122,16 +126,21 @@ def _pg_ctl_start(user: str | None, bin_dir: Path, folder: Path, options: str) -
         raise RuntimeError(f"{exc}\nserver log:\n{log}") from None
 
 
-@pytest.fixture(scope="session", name="postgres_cluster")
-def postgres_cluster_fixture() -> Iterator[PostgresCluster]:
+@contextlib.contextmanager
+def throwaway_postgres(*, prefix: str = "prorl-pg-", max_connections: int = 60) -> Iterator[PostgresCluster]:
+    """A PostgreSQL server of its own in a temporary folder, on a Unix socket only; stopped
+    and its folder deleted at the end, whatever happened (no process, no file left).
+    Used by the tests' session fixture and by bench/cluster.py."""
     bin_dir = server_binaries()
     if bin_dir is None:
-        pytest.fail("PostgreSQL's server binaries are not installed (/usr/lib/postgresql/*/bin): run `make setup-host`")
+        raise RuntimeError(
+            "PostgreSQL's server binaries are not installed (/usr/lib/postgresql/*/bin): make setup-host"
+        )
     root = os.geteuid() == 0
     user = CLUSTER_USER if root else None
     name = user or pwd.getpwuid(os.geteuid()).pw_name
     # Under the system's temp folder: a Unix socket's path must stay under 108 bytes.
-    folder = Path(tempfile.mkdtemp(prefix="prorl-pg-"))
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
     data = folder / "data"
     pid: int | None = None
     try:
@@ -146,7 +155,7 @@ def postgres_cluster_fixture() -> Iterator[PostgresCluster]:
                 "-c listen_addresses=''",  # no TCP at all
                 f"-c unix_socket_directories='{folder}'",
                 "-c fsync=off -c synchronous_commit=off -c full_page_writes=off",  # throwaway data
-                "-c max_connections=60 -c shared_buffers=16MB",
+                f"-c max_connections={max_connections} -c shared_buffers=32MB",
             ]
         )
         _pg_ctl_start(user, bin_dir, folder, options)
@@ -159,14 +168,22 @@ def postgres_cluster_fixture() -> Iterator[PostgresCluster]:
                 _run(_as_user(user, bin_dir / "pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"), folder)
             except (RuntimeError, subprocess.TimeoutExpired):
                 if pid is not None and _alive(pid):
-                    os.kill(pid, signal.SIGKILL)  # the postmaster this fixture started
+                    os.kill(pid, signal.SIGKILL)  # the postmaster started here
         if pid is not None:
             deadline = time.monotonic() + 10
             while _alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert not _alive(pid), f"the test PostgreSQL server (pid {pid}) is still running"
+            assert not _alive(pid), f"the throwaway PostgreSQL server (pid {pid}) is still running"
         shutil.rmtree(folder, ignore_errors=True)
         assert not folder.exists(), f"{folder} was not removed"
+
+
+@pytest.fixture(scope="session", name="postgres_cluster")
+def postgres_cluster_fixture() -> Iterator[PostgresCluster]:
+    if server_binaries() is None:
+        pytest.fail("PostgreSQL's server binaries are not installed (/usr/lib/postgresql/*/bin): run `make setup-host`")
+    with throwaway_postgres() as cluster:
+        yield cluster
 
 
 @pytest.fixture(name="postgres_url")
