@@ -147,6 +147,7 @@ class ProrlServer:
             metrics=self.metrics,
             gateways=self._gateways,
             gateway_port=lambda: self.gateway_port,
+            gateway_host=_host_of(settings.cluster.advertise_address) or settings.server.host,
         )
         self.manager = JobManager(
             settings=settings,
@@ -396,3 +397,8 @@ class ProrlServer:
         if self._podman is not None:
             await self._podman.stop()
         log.info("server_stopped")
+
+
+def _host_of(address: str | None) -> str:
+    """The host part of "host:port" ("[::1]:50051" gives "[::1]"); "" for None."""
+    return address.rpartition(":")[0] if address and ":" in address else (address or "")

@@ -72,11 +72,13 @@ class Pipeline:
         metrics: Metrics | None = None,
         gateways: GatewayDirectory | None = None,
         gateway_port: Callable[[], int | None] = lambda: None,
+        gateway_host: str = "",
     ) -> None:
         """`gateways`: where jobs' model gateways are listed for the server's gateway port, whose
-        number `gateway_port()` gives (None: not served outside the sandboxes)."""
+        number `gateway_port()` gives (None: not served outside the sandboxes), on `gateway_host`."""
         self._gateways = gateways if gateways is not None else GatewayDirectory()
         self._gateway_port = gateway_port
+        self._gateway_host = gateway_host
         self._phases = PhaseRunner(gates, metrics)
         self._init_gate = gates[v1.PHASE_INIT]
         self._metrics = metrics
@@ -110,7 +112,8 @@ class Pipeline:
             self._gateways.add(job.job_id, gateway)
             try:
                 port = self._gateway_port() or 0
-                job.events.append(gateway_opened=v1.GatewayOpened(path=job_path(job.job_id), api_key=key, port=port))
+                opened = v1.GatewayOpened(path=job_path(job.job_id), api_key=key, port=port, host=self._gateway_host)
+                job.events.append(gateway_opened=opened)
                 yield JobGateway(handle.port, key, outage=lambda: chains.outage)
             finally:
                 self._gateways.remove(job.job_id)

@@ -210,6 +210,7 @@ async def test_the_gateway_is_reachable_outside_with_the_jobs_key_until_the_prog
             job = (await client.submit(command_request("What is 6 * 7?", "42"))).job
             opened = (await events_until(client, job.job_id, "gateway_opened")).gateway_opened
             assert opened.port == server.gateway_port and opened.path == f"/jobs/{job.job_id}"
+            assert opened.host == server.settings.server.host == "127.0.0.1"
             base_url = f"http://127.0.0.1:{opened.port}{opened.path}/v1"
             outside = openai.AsyncOpenAI(base_url=base_url, api_key=opened.api_key, max_retries=0)
             reply = await outside.chat.completions.create(model="prorl", messages=[{"role": "user", "content": "ping"}])

@@ -324,14 +324,16 @@ class RolloutEvent(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queued: _Optional[_Union[JobQueued, _Mapping]] = ..., phase_started: _Optional[_Union[PhaseStarted, _Mapping]] = ..., model_turn: _Optional[_Union[ModelTurn, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., gateway_opened: _Optional[_Union[GatewayOpened, _Mapping]] = ...) -> None: ...
 
 class GatewayOpened(_message.Message):
-    __slots__ = ("path", "api_key", "port")
+    __slots__ = ("path", "api_key", "port", "host")
     PATH_FIELD_NUMBER: _ClassVar[int]
     API_KEY_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     path: str
     api_key: str
     port: int
-    def __init__(self, path: _Optional[str] = ..., api_key: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+    host: str
+    def __init__(self, path: _Optional[str] = ..., api_key: _Optional[str] = ..., port: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
 
 class JobQueued(_message.Message):
     __slots__ = ("queue_position", "attempt")
