@@ -27,10 +27,10 @@ from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.cluster.notifications import Notifications
 from prorl_server.cluster.store import UNREACHABLE, ClusterStore
 from prorl_server.config import Settings
-from prorl_server.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
-from prorl_server.jobs.manager import CANCEL_WAIT_S, DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, JobManager
+from prorl_server.errors import AlreadyExists, InvalidArgument, Unavailable
+from prorl_server.jobs.manager import CANCEL_WAIT_S, JobManager
 from prorl_server.jobs.record import JobView
-from prorl_server.jobs.validation import check_cancel_reason, check_job_id, resolve_plan
+from prorl_server.jobs.validation import check_cancel_reason, check_job_id, check_page, resolve_plan, unknown_job
 
 T = TypeVar("T")
 
@@ -82,7 +82,7 @@ class ClusterJobs:
         if row is None:
             if local is not None:
                 return local
-            raise NotFound(f"no job with id {job_id!r} (never submitted, or finished and no longer retained)")
+            raise unknown_job(job_id)
         return row
 
     async def list(
@@ -94,13 +94,7 @@ class ClusterJobs:
         page_size: int = 0,
         page_token: str = "",
     ) -> tuple[list[JobView], str]:
-        if page_size < 0:
-            raise InvalidArgument(f"page_size must not be negative, got {page_size}")
-        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        try:
-            after = int(page_token) if page_token else 0
-        except ValueError:
-            raise InvalidArgument("page_token is not one this server issued; pass next_page_token as given") from None
+        size, after = check_page(page_size, page_token)
         rows = await self._reach(
             "list the jobs",
             self._store.jobs(
@@ -125,7 +119,7 @@ class ClusterJobs:
             if not local.events.durability_lost:
                 return
         elif await self._reach("read the job", self._store.job(job_id)) is None:
-            raise NotFound(f"no job with id {job_id!r} (never submitted, or finished and no longer retained)")
+            raise unknown_job(job_id)
         async for event in self._follow_stored(job_id, after_seq):
             yield event
 
@@ -166,7 +160,7 @@ class ClusterJobs:
             return await self._manager.cancel(job_id, reason)
         row = await self._reach("cancel the job", self._store.cancel(job_id, reason))
         if row is None:
-            raise NotFound(f"no job with id {job_id!r} (never submitted, or finished and no longer retained)")
+            raise unknown_job(job_id)
         if row.finished:
             return row
         # Its holder ends it (notified now, or at its next heartbeat at the latest).

@@ -28,7 +28,6 @@ from prorl_server.config import Settings
 from prorl_server.errors import (
     AlreadyExists,
     InvalidArgument,
-    NotFound,
     ProrlError,
     ResourceExhausted,
     Unavailable,
@@ -39,13 +38,11 @@ from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
 from prorl_server.jobs.store import JobNotHeld, JobStore, StoredJob
 from prorl_server.jobs.uninterruptible import uninterruptible
-from prorl_server.jobs.validation import check_cancel_reason, check_job_id, resolve_plan
+from prorl_server.jobs.validation import check_cancel_reason, check_job_id, check_page, resolve_plan, unknown_job
 from prorl_server.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
-MAX_PAGE_SIZE = 1000
-DEFAULT_PAGE_SIZE = 100
 CANCEL_WAIT_S = 60.0
 
 
@@ -320,7 +317,7 @@ class JobManager:
     def get(self, job_id: str) -> JobRecord:
         job = self._jobs.get(job_id)
         if job is None:
-            raise NotFound(f"no job with id {job_id!r} (never submitted, or finished and no longer retained)")
+            raise unknown_job(job_id)
         return job
 
     def list(
@@ -332,13 +329,7 @@ class JobManager:
         page_size: int = 0,
         page_token: str = "",
     ) -> tuple[list[JobRecord], str]:
-        if page_size < 0:
-            raise InvalidArgument(f"page_size must not be negative, got {page_size}")
-        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        try:
-            after = int(page_token) if page_token else 0
-        except ValueError:
-            raise InvalidArgument("page_token is not one this server issued; pass next_page_token as given") from None
+        size, after = check_page(page_size, page_token)
         wanted = set(statuses)
         labels = dict(labels or {})
         matches: list[JobRecord] = []

@@ -16,7 +16,7 @@ from prorl_client import v1
 from prorl_server.agents.base import Limits
 from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.config import Settings
-from prorl_server.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from prorl_server.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from prorl_server.jobs.record import JobPlan
 from prorl_server.jobs.wire import seconds
 from prorl_server.llm.base import Sampling
@@ -182,3 +182,23 @@ def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: Handl
         pids_limit=pids,
         priority=request.priority,
     )
+
+
+MAX_PAGE_SIZE = 1000
+DEFAULT_PAGE_SIZE = 100
+
+
+def check_page(page_size: int, page_token: str) -> tuple[int, int]:
+    """ListJobs' paging as (page size, the job number the page starts after)."""
+    if page_size < 0:
+        raise InvalidArgument(f"page_size must not be negative, got {page_size}")
+    size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+    try:
+        after = int(page_token) if page_token else 0
+    except ValueError:
+        raise InvalidArgument("page_token is not one this server issued; pass next_page_token as given") from None
+    return size, after
+
+
+def unknown_job(job_id: str) -> NotFound:
+    return NotFound(f"no job with id {job_id!r} (never submitted, or finished and no longer retained)")
