@@ -104,7 +104,9 @@ async def test_sigkill_then_restart_reaps_orphans_and_keeps_the_store_consistent
 async def test_a_backend_killed_mid_rollout_hands_the_turn_to_another(scripted_llm, start_server) -> None:
     def python_then_finish(messages: list[dict[str, Any]]) -> ScriptedReply:
         if turn_index(messages) == 0:
-            return ScriptedReply(tool_call_text("bash", {"command": "sleep 1; echo 42"}))
+            # Long enough for the test to stop the first backend on a loaded machine
+            # before the next turn is asked for (1 s was once too short in CI).
+            return ScriptedReply(tool_call_text("bash", {"command": "sleep 4; echo 42"}))
         return ScriptedReply(tool_call_text("finish", {"answer": "42"}))
 
     first, second = await scripted_llm(python_then_finish), await scripted_llm(python_then_finish)
