@@ -9,7 +9,7 @@ import grpc
 from prorl_client import v1
 from prorl_server.api.backend_messages import backend_to_proto, settings_from_proto
 from prorl_server.errors import InvalidArgument
-from prorl_server.llm.administration import Administration
+from prorl_server.llm.administration import Administration, WeightUpdate
 from prorl_server.llm.router import BackendRouter
 from prorl_server.stats import ServerStats
 
@@ -63,6 +63,20 @@ class AdminServicer(v1.AdminServiceServicer):
         if version is not None and version < 0:
             raise InvalidArgument(f"policy_version must not be negative, got {version}")
         return v1.ResumeResponse(policy_version=await self._admin.resume(version))
+
+    async def UpdateWeights(  # noqa: N802
+        self, request: v1.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> v1.UpdateWeightsResponse:
+        version = request.policy_version if request.HasField("policy_version") else None
+        if version is not None and version < 0:
+            raise InvalidArgument(f"policy_version must not be negative, got {version}")
+        update = WeightUpdate(request.model_path, tuple(request.backend_ids), version, request.resume)
+        done = await self._admin.update_weights(update)
+        response = v1.UpdateWeightsResponse(policy_version=done.policy_version, resumed=done.resumed)
+        for backend_id, seconds in done.loaded:
+            loaded = response.backends.add(backend_id=backend_id)
+            loaded.load_time.FromNanoseconds(int(seconds * 1e9))
+        return response
 
     async def GetStats(  # noqa: N802
         self, request: v1.GetStatsRequest, context: grpc.aio.ServicerContext

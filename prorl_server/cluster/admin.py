@@ -1,6 +1,6 @@
 """AdminService's changes in a cluster: recorded once, applied by every server.
 
-AddBackend, RemoveBackend, Pause and Resume on any server append an operation
+AddBackend, RemoveBackend, Pause, Resume and UpdateWeights on any server append an operation
 to the store's `admin_ops` table (NOTIFY prorl_admin). Every server applies
 the operations it has not applied yet, in order, to its own router, and
 records the last one it applied (`servers.admin_applied`); a server that
@@ -29,6 +29,7 @@ import structlog
 
 from prorl_server.cluster.store import ADMIN_CHANNEL, UNREACHABLE, ClusterStore
 from prorl_server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ProrlError, Unavailable
+from prorl_server.llm.administration import WeightsUpdated, WeightUpdate, new_weights_version
 from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.factory import build_backend
 from prorl_server.llm.router import BackendEntry, BackendRouter
@@ -86,11 +87,13 @@ class ClusterAdministration:
     async def resume(self, policy_version: int | None) -> int:
         if policy_version is not None and policy_version < 0:
             raise InvalidArgument(f"policy_version must not be negative, got {policy_version}")
+        # Weights loaded by UpdateWeights during this pause were staged on every server.
+        staged = self._router.staged_version
 
         async def next_version(conn: Any) -> dict[str, Any]:
             current = await conn.fetchval("SELECT policy_version FROM cluster_state WHERE id = 1 FOR UPDATE")
-            version = current + 1 if policy_version is None else policy_version
-            if version < current:
+            version = policy_version if policy_version is not None else staged if staged is not None else current + 1
+            if version < max(current, staged or 0):
                 raise FailedPrecondition(
                     f"policy version {version} is older than the cluster's current {current}; versions only grow"
                 )
@@ -99,6 +102,47 @@ class ClusterAdministration:
 
         await self._record("resume", next_version)
         return self._router.policy_version
+
+    async def update_weights(self, request: WeightUpdate) -> WeightsUpdated:
+        """This server loads the checkpoint into its backends (those added to the cluster
+        included) and answers for them; then every other server loads it into its own.
+        A server that cannot stays paused (`router.held`) rather than serve old weights
+        under the new version."""
+        targets = self._router.weight_targets(request.backend_ids)
+        current = await self._store.pool.fetchval("SELECT policy_version FROM cluster_state WHERE id = 1")
+        version = new_weights_version(request, max(current, self._router.policy_version))
+        loaded = await self._router.load_weights(targets, request.model_path)
+        await self._record(
+            "update_weights",
+            {
+                "model_path": request.model_path,
+                "backend_ids": list(request.backend_ids),
+                "policy_version": version,
+                "origin": self._store.server_id,
+            },
+        )
+        if request.resume:
+            await self.resume(version)
+        return WeightsUpdated(version, loaded, request.resume)
+
+    async def _load_weights_here(self, data: dict[str, Any]) -> None:
+        version = int(data["policy_version"])
+        if data["origin"] != self._store.server_id:
+            # Backends added to the whole cluster were loaded once, by the server that was asked;
+            # each server loads its own (its embedded model, the backends of its settings).
+            named = set(data["backend_ids"])
+            targets = [
+                e
+                for e in self._router.entries()
+                if not e.shared and e.backend.loads_weights and (not named or e.id in named)
+            ]
+            try:
+                await self._router.load_weights(targets, data["model_path"])
+            except ProrlError as exc:
+                self._router.held = f"new weights (version {version}) failed to load: {exc.message}"
+                log.error("weights_not_loaded", policy_version=version, error=exc.message)
+                return
+        self._router.stage(version)
 
     # --- applying ---------------------------------------------------------------------
 
@@ -111,8 +155,11 @@ class ClusterAdministration:
             rows = await self._store.pool.fetch(
                 "SELECT id, kind, payload FROM admin_ops WHERE id > $1 ORDER BY id", self.applied
             )
+            # A server catching up loads only the latest checkpoint: older ones may be gone.
+            latest_weights = max((row["id"] for row in rows if row["kind"] == "update_weights"), default=0)
             for row in rows:
-                await self._apply(row["kind"], json.loads(row["payload"]))
+                if row["kind"] != "update_weights" or row["id"] == latest_weights:
+                    await self._apply(row["kind"], json.loads(row["payload"]))
                 self.applied = row["id"]
             if rows:
                 await self._store.pool.execute(
@@ -139,13 +186,16 @@ class ClusterAdministration:
             match kind:
                 case "add_backend":
                     settings = BackendSettings.model_validate(data)
-                    self._router.add(build_backend(settings, timeout_s=self._timeout_s, max_retries=self._max_retries))
+                    backend = build_backend(settings, timeout_s=self._timeout_s, max_retries=self._max_retries)
+                    self._router.add(backend).shared = True
                 case "remove_backend":
                     await self._router.remove(data["id"])
                 case "pause":
                     self._router.pause(abort_in_flight=bool(data["abort_in_flight"]))
                 case "resume":
                     self._router.resume(int(data["policy_version"]))
+                case "update_weights":
+                    await self._load_weights_here(data)
                 case _:
                     log.error("admin_op_unknown", kind=kind)
         except ProrlError as exc:  # e.g. a backend id this server's own config already uses

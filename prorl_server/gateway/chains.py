@@ -135,10 +135,16 @@ class CallChains:
     """The chains of one job's gateway calls; `chat` is what the gateway calls."""
 
     def __init__(
-        self, job_id: str, router: BackendRouter, *, on_call: Callable[[int, ChatResult], None] | None = None
+        self,
+        job_id: str,
+        router: BackendRouter,
+        *,
+        on_call: Callable[[int, ChatResult], None] | None = None,
+        min_policy_version: int = 0,
     ) -> None:
         """`on_call(number, result)` is told of every call that got its reply (the recorder)."""
         self._job_id = job_id
+        self._min_policy_version = min_policy_version
         self._router = router
         self.on_call = on_call
         self.chains: list[Chain] = []
@@ -157,7 +163,10 @@ class CallChains:
             sent = chain.continuation(messages)
             if sent is not None:
                 return chain, sent
-        chain = Chain(LLMSession(self._job_id, self._router, job_chat=JobChat(native_tools=True)), tools_key)
+        session = LLMSession(
+            self._job_id, self._router, job_chat=JobChat(native_tools=True), min_policy_version=self._min_policy_version
+        )
+        chain = Chain(session, tools_key)
         self.chains.append(chain)
         return chain, [dict(m) for m in messages]
 

@@ -134,8 +134,8 @@ class Pipeline:
     async def execute(self, job: JobRecord) -> None:
         plan = job.plan
         assert plan is not None, "a restored job never runs again"
-        session = LLMSession(job.job_id, self._router)
-        chains = CallChains(job.job_id, self._router)
+        session = LLMSession(job.job_id, self._router, min_policy_version=plan.min_policy_version)
+        chains = CallChains(job.job_id, self._router, min_policy_version=plan.min_policy_version)
         ctx = self._context(job, plan, session, chains)
         chains.on_call = ctx.recorder.model_turn
         outcome = _Outcome()

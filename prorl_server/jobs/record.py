@@ -57,6 +57,8 @@ class JobPlan:
     memory_mib: int
     pids_limit: int
     priority: int
+    min_policy_version: int = 0
+    """No model turn of the job is sampled from an older policy version."""
 
 
 @dataclass(eq=False)

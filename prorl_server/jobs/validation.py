@@ -170,6 +170,8 @@ def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: Handl
     if not 8 <= pids <= 65536:
         raise InvalidArgument(f"sandbox.pids_limit must be between 8 and 65536, got {pids}")
     budget_s = _budget(request, settings)
+    if request.min_policy_version < 0:
+        raise InvalidArgument(f"min_policy_version must not be negative, got {request.min_policy_version}")
     return JobPlan(
         handler=handler,
         instance=task,
@@ -181,6 +183,7 @@ def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: Handl
         memory_mib=memory,
         pids_limit=pids,
         priority=request.priority,
+        min_policy_version=request.min_policy_version,
     )
 
 

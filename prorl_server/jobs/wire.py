@@ -8,6 +8,7 @@ result's details, times and durations.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -152,6 +153,7 @@ def trajectory(
         loss_mask=loss_mask,
         logprobs=logprobs,
         turn_policy_versions=recorder.policy_versions,
+        turns_by_policy_version=Counter(recorder.policy_versions),
         turn_spans=spans,
         format_errors=recorder.format_errors,
         num_turns=recorder.num_turns,

@@ -7,8 +7,10 @@ the shared store, and every server applies it to its own router.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+from prorl_server.errors import FailedPrecondition, InvalidArgument
 from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.factory import build_backend
 from prorl_server.llm.router import BackendEntry, BackendRouter
@@ -24,8 +26,42 @@ class Administration(Protocol):
         ...
 
     async def resume(self, policy_version: int | None) -> int:
-        """Resume under `policy_version` (None: current + 1); returns it."""
+        """Resume under `policy_version` (None: the staged version, else current + 1); returns it."""
         ...
+
+    async def update_weights(self, request: WeightUpdate) -> WeightsUpdated:
+        """Load a checkpoint into the backends while paused and stage its version."""
+        ...
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    model_path: str
+    backend_ids: tuple[str, ...] = ()
+    policy_version: int | None = None
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class WeightsUpdated:
+    policy_version: int
+    loaded: list[tuple[str, float]]
+    """(backend id, seconds to load), in the order loaded."""
+    resumed: bool
+
+
+def new_weights_version(request: WeightUpdate, current: int) -> int:
+    """The version UpdateWeights gives the new weights: the one asked for, else current + 1."""
+    if not request.model_path:
+        raise InvalidArgument("model_path is required: the checkpoint the backends should load")
+    if request.policy_version is None:
+        return current + 1
+    if request.policy_version <= current:
+        raise FailedPrecondition(
+            f"policy version {request.policy_version} is not newer than the current {current}: "
+            "new weights need a new version"
+        )
+    return request.policy_version
 
 
 class LocalAdministration:
@@ -47,3 +83,12 @@ class LocalAdministration:
 
     async def resume(self, policy_version: int | None) -> int:
         return self._router.resume(policy_version)
+
+    async def update_weights(self, request: WeightUpdate) -> WeightsUpdated:
+        version = new_weights_version(request, self._router.policy_version)
+        targets = self._router.weight_targets(request.backend_ids)
+        loaded = await self._router.load_weights(targets, request.model_path)
+        self._router.stage(version)
+        if request.resume:
+            self._router.resume(version)
+        return WeightsUpdated(version, loaded, request.resume)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+from prorl_server.errors import InvalidArgument
 from prorl_server.llm.backend_settings import ToolCallParser
 from prorl_server.llm.chat_template import ChatTokenizer
 
@@ -118,6 +119,16 @@ class LLMBackend(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+    loads_weights = False
+    """Whether AdminService.UpdateWeights can load a checkpoint into it."""
+
+    async def load_weights(self, model_path: str) -> None:
+        """Serve the checkpoint at `model_path` from now on; keep the old weights on failure."""
+        raise InvalidArgument(
+            f"backend {self.info.id!r} ({self.info.kind}) cannot load weights through the service; "
+            "update it yourself between Pause and Resume (docs/training.md)"
+        )
 
 
 class TokenBackend(LLMBackend):

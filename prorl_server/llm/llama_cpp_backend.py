@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from prorl_server.errors import ContextLengthExceeded, LLMError
+from prorl_server.errors import ContextLengthExceeded, InvalidArgument, LLMError
 from prorl_server.llm.base import BackendInfo, Generation, Sampling, TokenBackend
 from prorl_server.llm.chat_template import ChatTokenizer
 
@@ -64,6 +64,11 @@ class GGUFTokenizer(ChatTokenizer):
         add_bos = str(metadata.get("tokenizer.ggml.add_bos_token", "false")).lower() == "true"
         self._bos = [bos] if add_bos and bos >= 0 else []
         self._stop = frozenset(i for i in (eos, _eot(llama)) if i is not None and i >= 0)
+
+    @property
+    def vocab_model(self) -> Any:
+        """The vocabulary-only llama.cpp model behind this tokenizer."""
+        return self._llama
 
     def _piece(self, token: int) -> str:
         return str(self._llama.detokenize([token], special=True).decode("utf-8", errors="replace"))
@@ -118,20 +123,68 @@ class LlamaCppBackend(TokenBackend):
         if not self._model_path.is_file():
             raise LLMError(f"embedded model file {self._model_path} does not exist", reason="embedded_model_missing")
         loop = asyncio.get_running_loop()
-        self._llama = await loop.run_in_executor(self._executor, self._load)
-        self._tokenizer = GGUFTokenizer(self._llama)
+        self._llama = await loop.run_in_executor(self._executor, self._load, self._model_path)
+        # The tokenizer has a model of its own (vocabulary only), so that new weights can
+        # replace the model without pulling it from under a conversation mid-turn.
+        vocab = await loop.run_in_executor(self._executor, self._load, self._model_path, True)
+        self._tokenizer = GGUFTokenizer(vocab)
         log.info("embedded_model_loaded", model=self._model_path.name, context=self._context_length)
 
-    def _load(self) -> Any:
+    def _load(self, path: Path, vocab_only: bool = False) -> Any:
         from llama_cpp import Llama
 
         return Llama(
-            model_path=str(self._model_path),
+            model_path=str(path),
             n_ctx=self._context_length,
             n_threads=self._threads,
             logits_all=False,
+            vocab_only=vocab_only,
             verbose=False,
         )
+
+    loads_weights = True
+
+    async def load_weights(self, model_path: str) -> None:
+        """Load a GGUF checkpoint (same architecture and vocabulary) and serve it from the
+        next request on. It runs on the model thread, after any generation under way."""
+        path = Path(model_path)
+        if not path.is_absolute():
+            raise InvalidArgument(f"model_path must be an absolute path on the server, got {model_path!r}")
+        started = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._swap, path)
+        log.info("embedded_weights_loaded", model=str(path), seconds=round(time.perf_counter() - started, 3))
+
+    def _swap(self, path: Path) -> None:
+        if not path.is_file():
+            raise InvalidArgument(
+                f"no checkpoint file at {path}: the embedded model loads a GGUF file from the server's disk"
+            )
+        try:
+            new = self._load(path)
+        except (ValueError, RuntimeError, OSError):
+            raise InvalidArgument(
+                f"{path} is not a GGUF checkpoint llama.cpp can load (see the server's log); the model is unchanged"
+            ) from None
+        assert self._tokenizer is not None, "loaded at start"
+        old, vocab = self._llama, self._tokenizer.vocab_model
+        mismatch = [
+            name
+            for name, ours, theirs in (
+                ("vocabulary size", vocab.n_vocab(), new.n_vocab()),
+                ("BOS token", vocab.token_bos(), new.token_bos()),
+                ("EOS token", vocab.token_eos(), new.token_eos()),
+            )
+            if ours != theirs
+        ]
+        if mismatch:
+            new.close()
+            raise InvalidArgument(
+                f"{path} has another tokenizer ({', '.join(mismatch)} differ): a checkpoint must keep the "
+                "vocabulary of the model it replaces"
+            )
+        self._llama, self._model_path = new, path
+        if old is not None:
+            old.close()
 
     @property
     def tokenizer(self) -> ChatTokenizer:
@@ -204,9 +257,11 @@ class LlamaCppBackend(TokenBackend):
         return self._llama is not None
 
     async def close(self) -> None:
-        llama, self._llama = self._llama, None
-        if llama is not None:
-            await asyncio.get_running_loop().run_in_executor(self._executor, llama.close)
+        models = [self._llama, self._tokenizer.vocab_model if self._tokenizer is not None else None]
+        self._llama = self._tokenizer = None
+        for model in models:
+            if model is not None:
+                await asyncio.get_running_loop().run_in_executor(self._executor, model.close)
         self._executor.shutdown(wait=False)
 
 

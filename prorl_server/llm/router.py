@@ -4,20 +4,23 @@ A new trajectory goes to the healthy backend with the fewest requests in
 flight per unit of weight (live load, not jobs ever assigned); its later turns stick to the same
 backend while it stays healthy, to reuse its prefix cache. A health check
 evicts backends that stop answering and readmits them when they answer again.
-Pause/Resume bracket a weight update: while paused no request starts; Resume
-bumps the policy version that every model turn records.
+Pause/Resume bracket a weight update: while paused no request starts;
+UpdateWeights loads a checkpoint into the backends that can load one and
+stages its version; Resume bumps the policy version that every model turn
+records. A job may ask for a minimum version: its turns wait for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import structlog
 
-from prorl_server.errors import AlreadyExists, FailedPrecondition, LLMError, NotFound
+from prorl_server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, LLMError, NotFound, ProrlError
 from prorl_server.llm.base import LLMBackend
 
 log = structlog.get_logger(__name__)
@@ -27,6 +30,9 @@ log = structlog.get_logger(__name__)
 class BackendEntry:
     backend: LLMBackend
     managed: bool = False
+    shared: bool = False
+    """Added to the whole cluster through AdminService (the same server for every member),
+    rather than from this server's own settings."""
     in_flight: int = 0
     requests_total: int = 0
     errors_total: int = 0
@@ -55,6 +61,11 @@ class BackendRouter:
         self._in_flight_tasks: set[asyncio.Task[object]] = set()
         self._aborted: set[asyncio.Task[object]] = set()
         self.policy_version = 0
+        self.staged_version: int | None = None
+        """The version of weights loaded by UpdateWeights during this pause: the next Resume's default."""
+        self.held: str | None = None
+        """Why this server stays paused whatever Resume says (its backends failed to load the
+        cluster's new weights: serving the old ones under the new version would mislabel turns)."""
         self.aborted_total = 0
         """In-flight requests Pause(abort_in_flight) has cancelled since the start."""
         self._health_interval_s = health_interval_s
@@ -110,10 +121,14 @@ class BackendRouter:
         return min(candidates, key=lambda e: e.in_flight / e.backend.info.weight)
 
     @contextlib.asynccontextmanager
-    async def lease(self, job_id: str) -> AsyncIterator[BackendEntry]:
-        """A backend for one request of `job_id`, counted in flight while held."""
+    async def lease(self, job_id: str, *, min_version: int = 0) -> AsyncIterator[BackendEntry]:
+        """A backend for one request of `job_id`, counted in flight while held; the request
+        waits until the policy version is at least `min_version`."""
         while True:
             await self._resumed.wait()
+            if self.policy_version < min_version:
+                await self._changed.wait()
+                continue
             if not self._entries:
                 raise LLMError("no LLM backend is configured: add one with AdminService.AddBackend")
             if not any(e.healthy for e in self._entries.values()):
@@ -177,17 +192,83 @@ class BackendRouter:
         return aborted
 
     def resume(self, policy_version: int | None = None) -> int:
-        if policy_version is None:
-            policy_version = self.policy_version + 1
-        if policy_version < self.policy_version:
-            raise FailedPrecondition(
-                f"policy version {policy_version} is older than the current {self.policy_version}; versions only grow"
-            )
+        policy_version = self.check_version(policy_version)
         self.policy_version = policy_version
+        self.staged_version = None
+        if self.held is not None:
+            log.error("generation_held", policy_version=policy_version, reason=self.held)
+            return policy_version
         self._resumed.set()
         self._wake()
         log.info("generation_resumed", policy_version=policy_version)
         return policy_version
+
+    def check_version(self, policy_version: int | None) -> int:
+        """The version Resume would take: `policy_version`, or the staged one, or current + 1."""
+        floor = self.policy_version if self.staged_version is None else self.staged_version
+        if policy_version is None:
+            return self.policy_version + 1 if self.staged_version is None else self.staged_version
+        if policy_version < floor:
+            raise FailedPrecondition(
+                f"policy version {policy_version} is older than the current {floor}; versions only grow"
+            )
+        return policy_version
+
+    # --- weight updates ---------------------------------------------------------------
+
+    def weight_targets(self, backend_ids: Sequence[str]) -> list[BackendEntry]:
+        """The backends UpdateWeights loads: those named, or every one that can."""
+        if not backend_ids:
+            entries = [e for e in self._entries.values() if e.backend.loads_weights]
+            if not entries:
+                raise FailedPrecondition(
+                    "no backend in the pool can load weights through the service (the embedded model and "
+                    "SGLang can); update the others yourself between Pause and Resume"
+                )
+            return entries
+        entries = []
+        for backend_id in dict.fromkeys(backend_ids):
+            entry = self._entries.get(backend_id)
+            if entry is None:
+                raise NotFound(f"no backend with id {backend_id!r}; ListBackends shows the ids")
+            if not entry.backend.loads_weights:
+                raise InvalidArgument(
+                    f"backend {backend_id!r} ({entry.backend.info.kind}) cannot load weights through the service; "
+                    "update it yourself between Pause and Resume"
+                )
+            entries.append(entry)
+        return entries
+
+    async def drained(self, entries: Sequence[BackendEntry]) -> None:
+        """Wait until none of `entries` has a request in flight."""
+        while any(entry.in_flight for entry in entries):
+            await self._changed.wait()
+
+    async def load_weights(self, entries: Sequence[BackendEntry], model_path: str) -> list[tuple[str, float]]:
+        """Load `model_path` into each backend once its requests have finished; (id, seconds) each."""
+        if not self.paused:
+            raise FailedPrecondition(
+                "generation is not paused: call Pause, then UpdateWeights, then Resume (or UpdateWeights with resume)"
+            )
+        await self.drained(entries)
+        loaded: list[tuple[str, float]] = []
+        for entry in entries:
+            started = time.perf_counter()
+            try:
+                await entry.backend.load_weights(model_path)
+            except ProrlError as exc:
+                done = f"; {', '.join(i for i, _ in loaded)} loaded it" if loaded else ""
+                exc.message = f"{exc.message}{done}; generation stays paused"
+                exc.args = (exc.message,)
+                raise
+            loaded.append((entry.id, time.perf_counter() - started))
+        log.info("weights_loaded", model_path=model_path, backends=[i for i, _ in loaded])
+        return loaded
+
+    def stage(self, policy_version: int) -> None:
+        """New weights are loaded: Resume without a version resumes under `policy_version`."""
+        self.staged_version = policy_version
+        self.held = None
 
     # --- health ----------------------------------------------------------------
 

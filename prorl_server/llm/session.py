@@ -22,8 +22,11 @@ from prorl_server.llm.router import BackendRouter
 
 
 class LLMSession:
-    def __init__(self, job_id: str, router: BackendRouter, *, job_chat: JobChat | None = None) -> None:
+    def __init__(
+        self, job_id: str, router: BackendRouter, *, job_chat: JobChat | None = None, min_policy_version: int = 0
+    ) -> None:
         self.job_id = job_id
+        self.min_policy_version = min_policy_version
         self._router = router
         self._job_chat = job_chat or JobChat()
         self._last_backend = ""
@@ -33,12 +36,13 @@ class LLMSession:
     ) -> ChatResult:
         """One model turn.
 
-        A request aborted by Pause is sent again after Resume. A backend that
+        A request aborted by Pause is sent again after Resume. It waits for the
+        job's minimum policy version, if the service does not serve it yet. A backend that
         stays unreachable (after its own retries) is marked unhealthy and the
         request goes to another healthy backend, if there is one.
         """
         while True:
-            async with self._router.lease(self.job_id) as entry:
+            async with self._router.lease(self.job_id, min_version=self.min_policy_version) as entry:
                 version = self._router.policy_version
                 request = asyncio.create_task(self._job_chat.chat(entry.backend, messages, tools, sampling))
                 self._router.track(request)

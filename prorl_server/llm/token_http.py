@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from prorl_server.errors import LLMError
+from prorl_server.errors import InvalidArgument, LLMError, Unavailable
 from prorl_server.llm.base import BackendInfo, Generation, Sampling, TokenBackend
 from prorl_server.llm.chat_template import ChatTokenizer
 from prorl_server.llm.http_client import HTTPClient
@@ -117,3 +117,23 @@ class SGLangBackend(HTTPTokenBackend):
         values = [float(triple[0]) if triple[0] is not None else 0.0 for triple in triples]
         finish = meta.get("finish_reason") or {}
         return ids, values, str(finish.get("type") if isinstance(finish, dict) else finish)
+
+    loads_weights = True
+
+    async def load_weights(self, model_path: str) -> None:
+        """SGLang's POST /update_weights_from_disk: it finishes the requests under way,
+        loads the checkpoint, and keeps the old weights if that fails."""
+        try:
+            body = await self._http.post("/update_weights_from_disk", {"model_path": model_path})
+        except LLMError as exc:
+            if exc.reason == "llm_bad_request":  # SGLang answers 400 when it cannot load the checkpoint
+                raise InvalidArgument(
+                    f"SGLang backend {self.info.id!r} did not load {model_path!r}: {exc.message}"
+                ) from None
+            raise Unavailable(
+                f"SGLang backend {self.info.id!r} was not reached to load weights: {exc.message}"
+            ) from None
+        if not body.get("success"):
+            raise InvalidArgument(
+                f"SGLang backend {self.info.id!r} did not load {model_path!r}: {body.get('message', 'no reason given')}"
+            )

@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from prorl_server.errors import ContextLengthExceeded, LLMError
+from prorl_server.errors import ContextLengthExceeded, InvalidArgument, LLMError
 from prorl_server.llm.base import ApiToolCall, BackendInfo, ChatBackend, ChatResult, Sampling
 from prorl_server.llm.http_client import about_context_length
 
@@ -262,3 +262,25 @@ def _api_call(call: dict[str, Any], index: int) -> ApiToolCall:
         name=str(function["name"]),
         arguments_json=arguments if isinstance(arguments, str) else json.dumps(arguments),
     )
+
+
+class LoadableScriptedBackend(ScriptedChatBackend):
+    """A scripted backend that "loads weights" as the embedded model and SGLang do: a checkpoint
+    path under /ckpt/ loads (it then serves `weights`, the file's name), any other is refused
+    as a missing file would be, and so is every path while `refuse` is set."""
+
+    loads_weights = True
+
+    def __init__(self, script: Script | Replies, **options: Any) -> None:
+        super().__init__(script, **options)
+        self.weights = "initial"
+        self.loaded: list[str] = []
+        self.in_flight_at_load: list[int] = []
+        self.refuse = False
+
+    async def load_weights(self, model_path: str) -> None:
+        if self.refuse or not model_path.startswith("/ckpt/"):
+            raise InvalidArgument(f"no checkpoint at {model_path}")
+        self.in_flight_at_load.append(self.in_flight)
+        self.weights = model_path.rsplit("/", 1)[-1]
+        self.loaded.append(model_path)

@@ -15,7 +15,9 @@ Shapes implemented (what the adapters rely on):
   {"max_new_tokens", "temperature", ...}, "return_logprob": true} ->
   {"text", "meta_info": {"prompt_tokens", "completion_tokens", "finish_reason":
   {"type": "stop"|"length"}, "output_token_logprobs": [[logprob, id, null], ...]}};
-  GET /health.
+  GET /health. POST /update_weights_from_disk {"model_path"} -> {"success", "message"}
+  (HTTP 400 with success false when the checkpoint cannot be loaded; SGLang's
+  UpdateWeightFromDiskReqInput, python/sglang/srt/managers/io_struct.py).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class FakeTokenServer:
         self.eos = self.tokenizer.token_to_id("<|im_end|>")
         self.script = script
         self.requests: list[dict[str, Any]] = []
+        self.loads: list[str] = []
+        """Checkpoints loaded through /update_weights_from_disk (SGLang only)."""
         self.fail_next: list[int] = []
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -145,6 +149,18 @@ class FakeSGLang(FakeTokenServer):
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
+        app.router.add_post("/update_weights_from_disk", self._update_weights)
+
+    weights = "initial"
+    """The checkpoint it serves: replies' log-probs tell the initial weights (-0.25) from any loaded later (-0.125)."""
+
+    async def _update_weights(self, request: web.Request) -> web.Response:
+        path = str((await request.json())["model_path"])
+        if "missing" in path:
+            return web.json_response({"success": False, "message": f"{path} not found"}, status=400)
+        self.loads.append(path)
+        self.weights = path
+        return web.json_response({"success": True, "message": "Succeeded to update model weights."})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -166,7 +182,7 @@ class FakeSGLang(FakeTokenServer):
                     "prompt_tokens": len(prompt),
                     "completion_tokens": len(ids),
                     "finish_reason": finish,
-                    "output_token_logprobs": [[-0.25, i, None] for i in ids],
+                    "output_token_logprobs": [[-0.25 if self.weights == "initial" else -0.125, i, None] for i in ids],
                 },
             }
         )

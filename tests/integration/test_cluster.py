@@ -27,7 +27,8 @@ from prorl_server.app import ProrlServer
 from prorl_server.config import load_settings
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
-from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text, user_prompt
+from tests.fakes.scripted_llm import LoadableScriptedBackend, ScriptedReply, tool_call_text, user_prompt
+from tests.fakes.token_servers import FakeSGLang, write_tiny_tokenizer
 from tests.helpers import assert_eventually, kinds, math_request
 from tests.postgres import PostgresCluster, postgres_cluster_fixture, postgres_url_fixture  # noqa: F401
 
@@ -41,7 +42,7 @@ class Member:
         self.name = name
         self.release = release
         self.provider = FakeSandboxProvider(instance_id=instance_id(f"fake-{name}"))
-        self.backend = ScriptedChatBackend(self.script)
+        self.backend = LoadableScriptedBackend(self.script)
         settings = load_settings(
             None,
             environ={},
@@ -244,6 +245,45 @@ async def test_admin_changes_apply_to_every_server(cluster: Cluster) -> None:
     assert sorted(server.server_id for server in stats.servers if server.live) == sorted(
         member.id for member in (a, b, c, late)
     )
+
+
+async def test_new_weights_load_on_every_server_and_shared_backends_load_once(cluster: Cluster, tmp_path: Path) -> None:
+    a, b, c = [await cluster(name) for name in ("a", "b", "c")]
+    folder = write_tiny_tokenizer(tmp_path / "tokenizer")
+    sglang = FakeSGLang(folder, lambda prompt: "ok")
+    await sglang.start()
+    try:
+        await a.rpc.add_backend(
+            v1.Backend(id="sg", kind=v1.BACKEND_KIND_SGLANG, base_url=sglang.base_url, tokenizer_path=str(folder))
+        )
+        await b.rpc.pause()
+        update = await a.rpc.update_weights("/ckpt/step-1")
+        assert update.policy_version == 1 and sorted(x.backend_id for x in update.backends) == ["scripted", "sg"]
+        # Each server loaded its own model; the shared SGLang server was asked once, by a.
+        assert [member.backend.loaded for member in (a, b, c)] == [["/ckpt/step-1"]] * 3
+        assert sglang.loads == ["/ckpt/step-1"]
+        assert await c.rpc.resume() == 1  # the version staged on every server
+        for member in (a, b, c):
+            stats = await member.rpc.get_stats()
+            assert (stats.paused, stats.policy_version) == (False, 1)
+
+        # A server that cannot load the new weights stays paused rather than serve the old
+        # ones under the new version; the next update that loads lets it go on.
+        c.backend.refuse = True
+        await a.rpc.pause()
+        await b.rpc.update_weights("/ckpt/step-2", backend_ids=["scripted"], resume=True)
+        paused = {member.name: (await member.rpc.get_stats()).paused for member in (a, b, c)}
+        assert paused == {"a": False, "b": False, "c": True}
+        c.backend.refuse = False
+        await a.rpc.pause()
+        await a.rpc.update_weights("/ckpt/step-3", backend_ids=["scripted"], resume=True)
+        assert [(await member.rpc.get_stats()).policy_version for member in (a, b, c)] == [3, 3, 3]
+        assert not (await c.rpc.get_stats()).paused and c.backend.weights == "step-3"
+
+        late = await cluster("late")  # loads only the latest checkpoint
+        assert late.backend.loaded == ["/ckpt/step-3"] and (await late.rpc.get_stats()).policy_version == 3
+    finally:
+        await sglang.stop()
 
 
 async def test_cluster_stats_show_every_server_and_the_leases(cluster: Cluster) -> None:

@@ -43,5 +43,5 @@ def test_rpc_names_follow_the_contract() -> None:
     ]  # fmt: skip
     admin = admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"]
     assert [m.name for m in admin.methods] == [
-        "AddBackend", "RemoveBackend", "ListBackends", "GetStats", "Pause", "Resume",
+        "AddBackend", "RemoveBackend", "ListBackends", "GetStats", "Pause", "Resume", "UpdateWeights",
     ]  # fmt: skip

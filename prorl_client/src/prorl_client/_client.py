@@ -301,6 +301,22 @@ class Client:
         response: v1.ResumeResponse = await _unary(self._admin.Resume(request, metadata=self._metadata))
         return response.policy_version
 
+    async def update_weights(
+        self,
+        model_path: str,
+        *,
+        backend_ids: Sequence[str] = (),
+        policy_version: int | None = None,
+        resume: bool = False,
+    ) -> v1.UpdateWeightsResponse:
+        """Load a checkpoint into the backends while generation is paused (see
+        AdminService.UpdateWeights); with resume, generation resumes under the
+        new policy version once every backend serves it."""
+        request = v1.UpdateWeightsRequest(
+            model_path=model_path, backend_ids=list(backend_ids), policy_version=policy_version, resume=resume
+        )
+        return await _unary(self._admin.UpdateWeights(request, metadata=self._metadata))
+
     async def get_stats(self, *, include_cluster: bool = False) -> v1.GetStatsResponse:
         """The server's load; with include_cluster, also every server of its cluster
         (servers sharing a PostgreSQL job store) and the cluster's jobs by status."""

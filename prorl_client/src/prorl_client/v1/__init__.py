@@ -26,6 +26,9 @@ from prorl_client._proto.prorl.v1.admin_service_pb2 import (
     ResumeResponse as ResumeResponse,
     SandboxPoolStats as SandboxPoolStats,
     ServerSummary as ServerSummary,
+    UpdateWeightsRequest as UpdateWeightsRequest,
+    UpdateWeightsResponse as UpdateWeightsResponse,
+    WeightsLoaded as WeightsLoaded,
 )
 from prorl_client._proto.prorl.v1.admin_service_pb2_grpc import (
     AdminServiceServicer as AdminServiceServicer,
@@ -185,8 +188,11 @@ __all__ = [
     "ToolResult",
     "Trajectory",
     "TurnSpan",
+    "UpdateWeightsRequest",
+    "UpdateWeightsResponse",
     "WatchRequest",
     "WatchResponse",
+    "WeightsLoaded",
     "add_AdminServiceServicer_to_server",
     "add_RolloutServiceServicer_to_server",
 ]

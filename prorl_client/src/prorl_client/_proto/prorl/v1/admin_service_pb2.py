@@ -23,56 +23,63 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from prorl_client._proto.prorl.v1 import rollout_pb2 as prorl_dot_v1_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprorl/v1/admin_service.proto\x12\x08prorl.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16prorl/v1/rollout.proto\"\'\n\x0cPauseRequest\x12\x17\n\x0f\x61\x62ort_in_flight\x18\x01 \x01(\x08\"8\n\rPauseResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"?\n\rResumeRequest\x12\x1b\n\x0epolicy_version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\"(\n\x0eResumeResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\xd2\x02\n\x07\x42\x61\x63kend\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.prorl.v1.BackendKind\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_in_flight\x18\x05 \x01(\x05\x12\x0f\n\x07\x61pi_key\x18\x06 \x01(\t\x12\x16\n\x0etokenizer_path\x18\x07 \x01(\t\x12\x0e\n\x06weight\x18\x08 \x01(\x01\x12%\n\x05state\x18\n \x01(\x0b\x32\x16.prorl.v1.BackendState\x12\x18\n\x10tool_call_parser\x18\x0b \x01(\t\x12\x35\n\x14\x63hat_template_kwargs\x18\x0c \x01(\x0b\x32\x17.google.protobuf.Struct\x12-\n\rlogprobs_mode\x18\r \x01(\x0e\x32\x16.prorl.v1.LogprobsMode\"q\n\x0c\x42\x61\x63kendState\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x16\n\x0erequests_total\x18\x03 \x01(\x03\x12\x14\n\x0c\x65rrors_total\x18\x04 \x01(\x03\x12\x0f\n\x07managed\x18\x05 \x01(\x08\"7\n\x11\x41\x64\x64\x42\x61\x63kendRequest\x12\"\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0b\x32\x11.prorl.v1.Backend\"8\n\x12\x41\x64\x64\x42\x61\x63kendResponse\x12\"\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0b\x32\x11.prorl.v1.Backend\"*\n\x14RemoveBackendRequest\x12\x12\n\nbackend_id\x18\x01 \x01(\t\"\x17\n\x15RemoveBackendResponse\"\x15\n\x13ListBackendsRequest\";\n\x14ListBackendsResponse\x12#\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x11.prorl.v1.Backend\"*\n\x0fGetStatsRequest\x12\x17\n\x0finclude_cluster\x18\x01 \x01(\x08\"[\n\nPhaseStats\x12\x1e\n\x05phase\x18\x01 \x01(\x0e\x32\x0f.prorl.v1.Phase\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x05\x12\r\n\x05limit\x18\x04 \x01(\x05\"D\n\x0eJobStatusCount\x12#\n\x06status\x18\x01 \x01(\x0e\x32\x13.prorl.v1.JobStatus\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"\xdd\x02\n\x10GetStatsResponse\x12$\n\x06phases\x18\x01 \x03(\x0b\x32\x14.prorl.v1.PhaseStats\x12\x16\n\x0esandboxes_busy\x18\x02 \x01(\x05\x12&\n\x04jobs\x18\x03 \x03(\x0b\x32\x18.prorl.v1.JobStatusCount\x12#\n\x08\x62\x61\x63kends\x18\x04 \x03(\x0b\x32\x11.prorl.v1.Backend\x12)\n\x05pools\x18\x05 \x03(\x0b\x32\x1a.prorl.v1.SandboxPoolStats\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x0e\n\x06paused\x18\x07 \x01(\x08\x12\x11\n\tserver_id\x18\x08 \x01(\t\x12(\n\x07servers\x18\t \x03(\x0b\x32\x17.prorl.v1.ServerSummary\x12.\n\x0c\x63luster_jobs\x18\n \x03(\x0b\x32\x18.prorl.v1.JobStatusCount\"\xfe\x01\n\rServerSummary\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\truns_jobs\x18\x03 \x01(\x08\x12\x32\n\x0eheartbeat_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04live\x18\x05 \x01(\x08\x12\x0e\n\x06leases\x18\x06 \x01(\x05\x12$\n\x06phases\x18\x07 \x03(\x0b\x32\x14.prorl.v1.PhaseStats\x12\x16\n\x0esandboxes_busy\x18\x08 \x01(\x05\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\x0e\n\x06paused\x18\n \x01(\x08\"\x83\x01\n\x10SandboxPoolStats\x12\r\n\x05image\x18\x01 \x01(\t\x12\x0c\n\x04\x63pus\x18\x02 \x01(\x01\x12\x12\n\nmemory_mib\x18\x03 \x01(\x03\x12\x12\n\npids_limit\x18\x04 \x01(\x05\x12\x0c\n\x04warm\x18\x05 \x01(\x05\x12\x0c\n\x04\x62usy\x18\x06 \x01(\x05\x12\x0e\n\x06target\x18\x07 \x01(\x05*\x94\x01\n\x0b\x42\x61\x63kendKind\x12\x1c\n\x18\x42\x41\x43KEND_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x42\x41\x43KEND_KIND_OPENAI_CHAT\x10\x01\x12\x15\n\x11\x42\x41\x43KEND_KIND_VLLM\x10\x02\x12\x17\n\x13\x42\x41\x43KEND_KIND_SGLANG\x10\x03\x12\x19\n\x15\x42\x41\x43KEND_KIND_EMBEDDED\x10\x04\x32\xb2\x03\n\x0c\x41\x64minService\x12G\n\nAddBackend\x12\x1b.prorl.v1.AddBackendRequest\x1a\x1c.prorl.v1.AddBackendResponse\x12P\n\rRemoveBackend\x12\x1e.prorl.v1.RemoveBackendRequest\x1a\x1f.prorl.v1.RemoveBackendResponse\x12M\n\x0cListBackends\x12\x1d.prorl.v1.ListBackendsRequest\x1a\x1e.prorl.v1.ListBackendsResponse\x12\x41\n\x08GetStats\x12\x19.prorl.v1.GetStatsRequest\x1a\x1a.prorl.v1.GetStatsResponse\x12\x38\n\x05Pause\x12\x16.prorl.v1.PauseRequest\x1a\x17.prorl.v1.PauseResponse\x12;\n\x06Resume\x12\x17.prorl.v1.ResumeRequest\x1a\x18.prorl.v1.ResumeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprorl/v1/admin_service.proto\x12\x08prorl.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16prorl/v1/rollout.proto\"\'\n\x0cPauseRequest\x12\x17\n\x0f\x61\x62ort_in_flight\x18\x01 \x01(\x08\"8\n\rPauseResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"?\n\rResumeRequest\x12\x1b\n\x0epolicy_version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\"(\n\x0eResumeResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x7f\n\x14UpdateWeightsRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61\x63kend_ids\x18\x02 \x03(\t\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x42\x11\n\x0f_policy_version\"k\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12)\n\x08\x62\x61\x63kends\x18\x02 \x03(\x0b\x32\x17.prorl.v1.WeightsLoaded\x12\x0f\n\x07resumed\x18\x03 \x01(\x08\"Q\n\rWeightsLoaded\x12\x12\n\nbackend_id\x18\x01 \x01(\t\x12,\n\tload_time\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd2\x02\n\x07\x42\x61\x63kend\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.prorl.v1.BackendKind\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_in_flight\x18\x05 \x01(\x05\x12\x0f\n\x07\x61pi_key\x18\x06 \x01(\t\x12\x16\n\x0etokenizer_path\x18\x07 \x01(\t\x12\x0e\n\x06weight\x18\x08 \x01(\x01\x12%\n\x05state\x18\n \x01(\x0b\x32\x16.prorl.v1.BackendState\x12\x18\n\x10tool_call_parser\x18\x0b \x01(\t\x12\x35\n\x14\x63hat_template_kwargs\x18\x0c \x01(\x0b\x32\x17.google.protobuf.Struct\x12-\n\rlogprobs_mode\x18\r \x01(\x0e\x32\x16.prorl.v1.LogprobsMode\"q\n\x0c\x42\x61\x63kendState\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x16\n\x0erequests_total\x18\x03 \x01(\x03\x12\x14\n\x0c\x65rrors_total\x18\x04 \x01(\x03\x12\x0f\n\x07managed\x18\x05 \x01(\x08\"7\n\x11\x41\x64\x64\x42\x61\x63kendRequest\x12\"\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0b\x32\x11.prorl.v1.Backend\"8\n\x12\x41\x64\x64\x42\x61\x63kendResponse\x12\"\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0b\x32\x11.prorl.v1.Backend\"*\n\x14RemoveBackendRequest\x12\x12\n\nbackend_id\x18\x01 \x01(\t\"\x17\n\x15RemoveBackendResponse\"\x15\n\x13ListBackendsRequest\";\n\x14ListBackendsResponse\x12#\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x11.prorl.v1.Backend\"*\n\x0fGetStatsRequest\x12\x17\n\x0finclude_cluster\x18\x01 \x01(\x08\"[\n\nPhaseStats\x12\x1e\n\x05phase\x18\x01 \x01(\x0e\x32\x0f.prorl.v1.Phase\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x05\x12\r\n\x05limit\x18\x04 \x01(\x05\"D\n\x0eJobStatusCount\x12#\n\x06status\x18\x01 \x01(\x0e\x32\x13.prorl.v1.JobStatus\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"\xdd\x02\n\x10GetStatsResponse\x12$\n\x06phases\x18\x01 \x03(\x0b\x32\x14.prorl.v1.PhaseStats\x12\x16\n\x0esandboxes_busy\x18\x02 \x01(\x05\x12&\n\x04jobs\x18\x03 \x03(\x0b\x32\x18.prorl.v1.JobStatusCount\x12#\n\x08\x62\x61\x63kends\x18\x04 \x03(\x0b\x32\x11.prorl.v1.Backend\x12)\n\x05pools\x18\x05 \x03(\x0b\x32\x1a.prorl.v1.SandboxPoolStats\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x0e\n\x06paused\x18\x07 \x01(\x08\x12\x11\n\tserver_id\x18\x08 \x01(\t\x12(\n\x07servers\x18\t \x03(\x0b\x32\x17.prorl.v1.ServerSummary\x12.\n\x0c\x63luster_jobs\x18\n \x03(\x0b\x32\x18.prorl.v1.JobStatusCount\"\xfe\x01\n\rServerSummary\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\truns_jobs\x18\x03 \x01(\x08\x12\x32\n\x0eheartbeat_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04live\x18\x05 \x01(\x08\x12\x0e\n\x06leases\x18\x06 \x01(\x05\x12$\n\x06phases\x18\x07 \x03(\x0b\x32\x14.prorl.v1.PhaseStats\x12\x16\n\x0esandboxes_busy\x18\x08 \x01(\x05\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\x0e\n\x06paused\x18\n \x01(\x08\"\x83\x01\n\x10SandboxPoolStats\x12\r\n\x05image\x18\x01 \x01(\t\x12\x0c\n\x04\x63pus\x18\x02 \x01(\x01\x12\x12\n\nmemory_mib\x18\x03 \x01(\x03\x12\x12\n\npids_limit\x18\x04 \x01(\x05\x12\x0c\n\x04warm\x18\x05 \x01(\x05\x12\x0c\n\x04\x62usy\x18\x06 \x01(\x05\x12\x0e\n\x06target\x18\x07 \x01(\x05*\x94\x01\n\x0b\x42\x61\x63kendKind\x12\x1c\n\x18\x42\x41\x43KEND_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x42\x41\x43KEND_KIND_OPENAI_CHAT\x10\x01\x12\x15\n\x11\x42\x41\x43KEND_KIND_VLLM\x10\x02\x12\x17\n\x13\x42\x41\x43KEND_KIND_SGLANG\x10\x03\x12\x19\n\x15\x42\x41\x43KEND_KIND_EMBEDDED\x10\x04\x32\x84\x04\n\x0c\x41\x64minService\x12G\n\nAddBackend\x12\x1b.prorl.v1.AddBackendRequest\x1a\x1c.prorl.v1.AddBackendResponse\x12P\n\rRemoveBackend\x12\x1e.prorl.v1.RemoveBackendRequest\x1a\x1f.prorl.v1.RemoveBackendResponse\x12M\n\x0cListBackends\x12\x1d.prorl.v1.ListBackendsRequest\x1a\x1e.prorl.v1.ListBackendsResponse\x12\x41\n\x08GetStats\x12\x19.prorl.v1.GetStatsRequest\x1a\x1a.prorl.v1.GetStatsResponse\x12\x38\n\x05Pause\x12\x16.prorl.v1.PauseRequest\x1a\x17.prorl.v1.PauseResponse\x12;\n\x06Resume\x12\x17.prorl.v1.ResumeRequest\x1a\x18.prorl.v1.ResumeResponse\x12P\n\rUpdateWeights\x12\x1e.prorl.v1.UpdateWeightsRequest\x1a\x1f.prorl.v1.UpdateWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prorl.v1.admin_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BACKENDKIND']._serialized_start=2010
-  _globals['_BACKENDKIND']._serialized_end=2158
-  _globals['_PAUSEREQUEST']._serialized_start=129
-  _globals['_PAUSEREQUEST']._serialized_end=168
-  _globals['_PAUSERESPONSE']._serialized_start=170
-  _globals['_PAUSERESPONSE']._serialized_end=226
-  _globals['_RESUMEREQUEST']._serialized_start=228
-  _globals['_RESUMEREQUEST']._serialized_end=291
-  _globals['_RESUMERESPONSE']._serialized_start=293
-  _globals['_RESUMERESPONSE']._serialized_end=333
-  _globals['_BACKEND']._serialized_start=336
-  _globals['_BACKEND']._serialized_end=674
-  _globals['_BACKENDSTATE']._serialized_start=676
-  _globals['_BACKENDSTATE']._serialized_end=789
-  _globals['_ADDBACKENDREQUEST']._serialized_start=791
-  _globals['_ADDBACKENDREQUEST']._serialized_end=846
-  _globals['_ADDBACKENDRESPONSE']._serialized_start=848
-  _globals['_ADDBACKENDRESPONSE']._serialized_end=904
-  _globals['_REMOVEBACKENDREQUEST']._serialized_start=906
-  _globals['_REMOVEBACKENDREQUEST']._serialized_end=948
-  _globals['_REMOVEBACKENDRESPONSE']._serialized_start=950
-  _globals['_REMOVEBACKENDRESPONSE']._serialized_end=973
-  _globals['_LISTBACKENDSREQUEST']._serialized_start=975
-  _globals['_LISTBACKENDSREQUEST']._serialized_end=996
-  _globals['_LISTBACKENDSRESPONSE']._serialized_start=998
-  _globals['_LISTBACKENDSRESPONSE']._serialized_end=1057
-  _globals['_GETSTATSREQUEST']._serialized_start=1059
-  _globals['_GETSTATSREQUEST']._serialized_end=1101
-  _globals['_PHASESTATS']._serialized_start=1103
-  _globals['_PHASESTATS']._serialized_end=1194
-  _globals['_JOBSTATUSCOUNT']._serialized_start=1196
-  _globals['_JOBSTATUSCOUNT']._serialized_end=1264
-  _globals['_GETSTATSRESPONSE']._serialized_start=1267
-  _globals['_GETSTATSRESPONSE']._serialized_end=1616
-  _globals['_SERVERSUMMARY']._serialized_start=1619
-  _globals['_SERVERSUMMARY']._serialized_end=1873
-  _globals['_SANDBOXPOOLSTATS']._serialized_start=1876
-  _globals['_SANDBOXPOOLSTATS']._serialized_end=2007
-  _globals['_ADMINSERVICE']._serialized_start=2161
-  _globals['_ADMINSERVICE']._serialized_end=2595
+  _globals['_BACKENDKIND']._serialized_start=2363
+  _globals['_BACKENDKIND']._serialized_end=2511
+  _globals['_PAUSEREQUEST']._serialized_start=161
+  _globals['_PAUSEREQUEST']._serialized_end=200
+  _globals['_PAUSERESPONSE']._serialized_start=202
+  _globals['_PAUSERESPONSE']._serialized_end=258
+  _globals['_RESUMEREQUEST']._serialized_start=260
+  _globals['_RESUMEREQUEST']._serialized_end=323
+  _globals['_RESUMERESPONSE']._serialized_start=325
+  _globals['_RESUMERESPONSE']._serialized_end=365
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=367
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=494
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=496
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=603
+  _globals['_WEIGHTSLOADED']._serialized_start=605
+  _globals['_WEIGHTSLOADED']._serialized_end=686
+  _globals['_BACKEND']._serialized_start=689
+  _globals['_BACKEND']._serialized_end=1027
+  _globals['_BACKENDSTATE']._serialized_start=1029
+  _globals['_BACKENDSTATE']._serialized_end=1142
+  _globals['_ADDBACKENDREQUEST']._serialized_start=1144
+  _globals['_ADDBACKENDREQUEST']._serialized_end=1199
+  _globals['_ADDBACKENDRESPONSE']._serialized_start=1201
+  _globals['_ADDBACKENDRESPONSE']._serialized_end=1257
+  _globals['_REMOVEBACKENDREQUEST']._serialized_start=1259
+  _globals['_REMOVEBACKENDREQUEST']._serialized_end=1301
+  _globals['_REMOVEBACKENDRESPONSE']._serialized_start=1303
+  _globals['_REMOVEBACKENDRESPONSE']._serialized_end=1326
+  _globals['_LISTBACKENDSREQUEST']._serialized_start=1328
+  _globals['_LISTBACKENDSREQUEST']._serialized_end=1349
+  _globals['_LISTBACKENDSRESPONSE']._serialized_start=1351
+  _globals['_LISTBACKENDSRESPONSE']._serialized_end=1410
+  _globals['_GETSTATSREQUEST']._serialized_start=1412
+  _globals['_GETSTATSREQUEST']._serialized_end=1454
+  _globals['_PHASESTATS']._serialized_start=1456
+  _globals['_PHASESTATS']._serialized_end=1547
+  _globals['_JOBSTATUSCOUNT']._serialized_start=1549
+  _globals['_JOBSTATUSCOUNT']._serialized_end=1617
+  _globals['_GETSTATSRESPONSE']._serialized_start=1620
+  _globals['_GETSTATSRESPONSE']._serialized_end=1969
+  _globals['_SERVERSUMMARY']._serialized_start=1972
+  _globals['_SERVERSUMMARY']._serialized_end=2226
+  _globals['_SANDBOXPOOLSTATS']._serialized_start=2229
+  _globals['_SANDBOXPOOLSTATS']._serialized_end=2360
+  _globals['_ADMINSERVICE']._serialized_start=2514
+  _globals['_ADMINSERVICE']._serialized_end=3030
 # @@protoc_insertion_point(module_scope)

@@ -70,6 +70,11 @@ class AdminServiceStub:
                 request_serializer=prorl_dot_v1_dot_admin__service__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=prorl_dot_v1_dot_admin__service__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/prorl.v1.AdminService/UpdateWeights',
+                request_serializer=prorl_dot_v1_dot_admin__service__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=prorl_dot_v1_dot_admin__service__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -123,6 +128,21 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """Makes backends serve new weights, between Pause and Resume (FAILED_PRECONDITION
+        when generation is not paused). Waits for in-flight requests to finish,
+        loads the checkpoint into every chosen backend, and stages the new policy
+        version: the next Resume without a version resumes under it (or at once
+        with resume set). The embedded model loads a GGUF file; SGLang backends
+        load through their update-from-disk endpoint. For vLLM, and for any
+        weight transfer the trainer does itself (NCCL, shared memory), the trainer
+        updates the servers between Pause and Resume and passes the version to
+        Resume: see docs/training.md.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +175,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=prorl_dot_v1_dot_admin__service__pb2.ResumeRequest.FromString,
                     response_serializer=prorl_dot_v1_dot_admin__service__pb2.ResumeResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=prorl_dot_v1_dot_admin__service__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=prorl_dot_v1_dot_admin__service__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -324,6 +349,33 @@ class AdminService:
             '/prorl.v1.AdminService/Resume',
             prorl_dot_v1_dot_admin__service__pb2.ResumeRequest.SerializeToString,
             prorl_dot_v1_dot_admin__service__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prorl.v1.AdminService/UpdateWeights',
+            prorl_dot_v1_dot_admin__service__pb2.UpdateWeightsRequest.SerializeToString,
+            prorl_dot_v1_dot_admin__service__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -60,7 +60,7 @@ LOGPROBS_MODE_PROCESSED: LogprobsMode
 LOGPROBS_MODE_RAW: LogprobsMode
 
 class RolloutRequest(_message.Message):
-    __slots__ = ("job_id", "handler", "instance", "sampling", "limits", "sandbox", "group_id", "priority", "labels", "retry")
+    __slots__ = ("job_id", "handler", "instance", "sampling", "limits", "sandbox", "group_id", "priority", "labels", "retry", "min_policy_version")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class RolloutRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     RETRY_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     handler: str
     instance: _struct_pb2.Struct
@@ -88,7 +89,8 @@ class RolloutRequest(_message.Message):
     priority: int
     labels: _containers.ScalarMap[str, str]
     retry: RetryPolicy
-    def __init__(self, job_id: _Optional[str] = ..., handler: _Optional[str] = ..., instance: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., limits: _Optional[_Union[AgentLimits, _Mapping]] = ..., sandbox: _Optional[_Union[SandboxSpec, _Mapping]] = ..., group_id: _Optional[str] = ..., priority: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ...) -> None: ...
+    min_policy_version: int
+    def __init__(self, job_id: _Optional[str] = ..., handler: _Optional[str] = ..., instance: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., limits: _Optional[_Union[AgentLimits, _Mapping]] = ..., sandbox: _Optional[_Union[SandboxSpec, _Mapping]] = ..., group_id: _Optional[str] = ..., priority: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., min_policy_version: _Optional[int] = ...) -> None: ...
 
 class RetryPolicy(_message.Message):
     __slots__ = ("max_restarts",)
@@ -173,7 +175,14 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallSpec, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("messages", "token_ids", "loss_mask", "logprobs", "turn_policy_versions", "num_turns", "turn_spans", "format_errors", "chains")
+    __slots__ = ("messages", "token_ids", "loss_mask", "logprobs", "turn_policy_versions", "num_turns", "turn_spans", "format_errors", "chains", "turns_by_policy_version")
+    class TurnsByPolicyVersionEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +192,7 @@ class Trajectory(_message.Message):
     TURN_SPANS_FIELD_NUMBER: _ClassVar[int]
     FORMAT_ERRORS_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_BY_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
@@ -192,7 +202,8 @@ class Trajectory(_message.Message):
     turn_spans: _containers.RepeatedCompositeFieldContainer[TurnSpan]
     format_errors: int
     chains: _containers.RepeatedCompositeFieldContainer[TokenChain]
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., turn_policy_versions: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ..., turn_spans: _Optional[_Iterable[_Union[TurnSpan, _Mapping]]] = ..., format_errors: _Optional[int] = ..., chains: _Optional[_Iterable[_Union[TokenChain, _Mapping]]] = ...) -> None: ...
+    turns_by_policy_version: _containers.ScalarMap[int, int]
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., turn_policy_versions: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ..., turn_spans: _Optional[_Iterable[_Union[TurnSpan, _Mapping]]] = ..., format_errors: _Optional[int] = ..., chains: _Optional[_Iterable[_Union[TokenChain, _Mapping]]] = ..., turns_by_policy_version: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class TokenChain(_message.Message):
     __slots__ = ("token_ids", "loss_mask", "logprobs", "policy_versions", "calls", "turn_spans")
