@@ -109,7 +109,10 @@ class ClusterAdministration:
         A server that cannot stays paused (`router.held`) rather than serve old weights
         under the new version."""
         targets = self._router.weight_targets(request.backend_ids)
-        current = await self._store.pool.fetchval("SELECT policy_version FROM cluster_state WHERE id = 1")
+        try:
+            current = await self._store.pool.fetchval("SELECT policy_version FROM cluster_state WHERE id = 1")
+        except UNREACHABLE as exc:
+            raise _unreachable(exc) from None
         version = new_weights_version(request, max(current, self._router.policy_version))
         loaded = await self._router.load_weights(targets, request.model_path)
         await self._record(
@@ -216,9 +219,7 @@ class ClusterAdministration:
             await self.catch_up()
             await self._await_everyone(op_id)
         except UNREACHABLE as exc:
-            raise Unavailable(
-                f"the cluster's job store cannot be reached to record the change ({type(exc).__name__}); retry later"
-            ) from None
+            raise _unreachable(exc) from None
 
     async def _await_everyone(self, op_id: int) -> None:
         deadline = time.monotonic() + self._live_within_s
@@ -238,3 +239,9 @@ class ClusterAdministration:
                     f"{self._live_within_s:g} s; they apply it when they reach the store"
                 )
             await asyncio.sleep(ACK_POLL_S)
+
+
+def _unreachable(exc: BaseException) -> Unavailable:
+    return Unavailable(
+        f"the cluster's job store cannot be reached to record the change ({type(exc).__name__}); retry later"
+    )
