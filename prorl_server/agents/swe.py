@@ -5,7 +5,10 @@ problem_statement, patch (the gold fix, never shown to the agent), test_patch,
 FAIL_TO_PASS and PASS_TO_PASS (lists, or JSON strings of lists as in the
 published datasets), plus `image`, a sandbox image holding the repository at
 base_commit in `repo_dir` (default /testbed). Optional: `pythonpath` for the
-tests (e.g. "src") and `eval_timeout_s`.
+tests (e.g. "src") and `eval_timeout_s`. With `version` (or a swebench 5
+`eval_script`), an instance whose official evaluation runs its tests with
+something other than pytest (Django, SymPy, Sphinx's tox) is refused at Submit:
+the judge runs pytest (verifiers/swebench says what remains).
 
 The agent works with bash and the file editor. Its submission is whatever the
 repository's `git diff` against base_commit says when it stops, never text the
@@ -21,7 +24,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, StrictStr, field_validator
+from pydantic import BeforeValidator, Field, StrictStr, field_validator, model_validator
 
 from prorl_server.agents.base import EvalOutcome, RolloutContext, RunOutcome, TaskInstance
 from prorl_server.agents.fields import Seconds, Text
@@ -29,6 +32,7 @@ from prorl_server.agents.loop import ToolLoopHandler, describe_tools
 from prorl_server.agents.tools import BashTool, EditorTool, FinishTool
 from prorl_server.errors import InfrastructureError, InvalidArgument, PolicyError
 from prorl_server.verifiers.swe import judge
+from prorl_server.verifiers.swebench.specs import UnknownSpec, official_runner, spec_for
 
 DEFAULT_REPO_DIR = "/testbed"
 DEFAULT_EVAL_TIMEOUT_S = 300.0
@@ -89,6 +93,14 @@ def node_ids(instance: dict[str, Any], field: str) -> list[str]:
 TestIds = Annotated[list[str], BeforeValidator(_test_list)]
 
 
+RUNNER_NAMES = {
+    "django": "tests/runtests.py",
+    "sympy": "bin/test",
+    "tox": "tox",
+    "other": "a command other than pytest",
+}
+
+
 class SWEInstance(TaskInstance):
     """SWE-bench's fields, plus the image that holds the repository at base_commit."""
 
@@ -107,6 +119,11 @@ class SWEInstance(TaskInstance):
     FAIL_TO_PASS: TestIds
     PASS_TO_PASS: TestIds = []
     eval_timeout_s: Seconds = Field(DEFAULT_EVAL_TIMEOUT_S, gt=0, le=3600)
+    version: StrictStr = ""
+    """SWE-bench's version of the repository: with `repo`, it names the official evaluation."""
+    eval_script: StrictStr = ""
+    """A swebench 5 instance's own evaluation (with `log_parser`)."""
+    log_parser: StrictStr = ""
 
     @field_validator("base_commit")
     @classmethod
@@ -128,6 +145,26 @@ class SWEInstance(TaskInstance):
         if not value:
             raise ValueError("must name at least one test")
         return value
+
+    @model_validator(mode="after")
+    def _judged_by_pytest(self) -> SWEInstance:
+        """The judge runs pytest: refuse, rather than score wrongly, an instance whose
+        official evaluation runs another test runner (Django's tests/runtests.py,
+        SymPy's bin/test, tox)."""
+        runner = "pytest"
+        if self.eval_script:
+            try:
+                runner = spec_for(self.model_dump()).runner
+            except UnknownSpec as exc:
+                raise ValueError(f"its eval_script cannot be used: {exc}") from None
+        else:
+            runner = official_runner(self.repo, self.version) or runner
+        if runner != "pytest":
+            raise ValueError(
+                f"{self.repo} {self.version} runs its tests with {RUNNER_NAMES.get(runner, runner)} in SWE-bench's "
+                "official evaluation; this server judges pytest runs only"
+            )
+        return self
 
 
 @dataclass(frozen=True)

@@ -75,3 +75,37 @@ def test_shipped_tasks_are_complete_and_hide_the_gold_patch() -> None:
         line = to_task(instance)
         assert line["handler"] == "swe" and "patch" not in line["instance"]
         assert line["instance"]["test_patch"] == instance["test_patch"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"repo": "django/django", "version": "3.0"}, "django/django 3.0 runs its tests with tests/runtests.py"),
+        ({"repo": "sympy/sympy", "version": "1.3"}, "sympy/sympy 1.3 runs its tests with bin/test"),
+        ({"repo": "sphinx-doc/sphinx", "version": "3.5"}, "with tox"),
+        (
+            {"eval_script": ": '>>>>> Start Test Output'\n./tests/runtests.py x\n: '>>>>> End Test Output'"},
+            "runs its tests with tests/runtests.py",
+        ),
+        ({"eval_script": "pytest -rA", "log_parser": "parse_log_pytest"}, "does not bracket its test output"),
+    ],
+)
+def test_instances_the_pytest_judge_would_score_wrongly_are_refused(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        SWEHandler().validate({**INSTANCE, "log_parser": "parse_log_django", **change})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"repo": "astropy/astropy", "version": "4.3"},
+        {"repo": "pytest-dev/pytest", "version": "99.0"},
+        {"repo": "getmoto/moto", "version": "5.0"},
+        {
+            "eval_script": ": '>>>>> Start Test Output'\npytest -rA t.py\n: '>>>>> End Test Output'",
+            "log_parser": "parse_log_pytest",
+        },
+    ],
+)
+def test_instances_judged_by_pytest_are_accepted(change: dict[str, Any]) -> None:
+    assert SWEHandler().validate({**INSTANCE, **change}).repo

@@ -18,6 +18,10 @@ calls, cleanup) built from the streamed events, which `prorl view` draws.
 
 `prorl view RESULTS.jsonl --out report.html` turns such a file into one
 self-contained HTML page (see prorl_client.viewer).
+
+`prorl import-swe FILE --format swe-bench|swe-gym|swe-smith|r2e-gym --out
+TASKS.jsonl` turns a SWE dataset's instance file into task lines for `prorl
+run` (see prorl_client.swe_import).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any, TextIO
 import grpc
 from google.protobuf.json_format import MessageToDict, ParseDict
 
-from prorl_client import v1
+from prorl_client import swe_import, v1
 from prorl_client._client import Client
 from prorl_client.display import RunDisplay, print_summary
 
@@ -316,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         help="show token text: a GGUF model file (needs llama-cpp-python) or a Hugging Face tokenizer.json "
         "or its folder (needs tokenizers); token ids only without it",
     )
+    swe_import.add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "import-swe":
+        return swe_import.command(args)
     if args.command == "view":
         from prorl_client.viewer import view_command
 

@@ -1,0 +1,31 @@
+"""SWE-bench's own evaluation semantics: per repository and version the set-up
+steps and test command (specs.py), the log parsers (parsers.py) and the
+grading of a log into per-test outcomes and a resolution (grading.py), taken
+from the official `swebench` package (5.0.2 for parsers and grading; 4.1.0,
+its last release that defines the per-version specs in code, for those;
+swebench 5 rows carry their own `eval_script`, `log_parser` and `eval_type`).
+
+Nothing here imports swebench: the server does not depend on it (its
+dependencies pull docker, modal and datasets). tests/unit/test_swebench_semantics.py
+compares every function with swebench's own, installed for the tests with
+`pip install --no-deps swebench==5.0.2 unidiff`.
+
+How the judge is to use it for runners other than pytest (not done yet; until
+then agents/swe.py refuses such instances at Submit):
+- run the official test command (`specs.test_command`: Django's
+  `./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1
+  <modules>`, SymPy's `bin/test -C --verbose <files>`) in a runner child of
+  the judging harness, after the version's `eval_commands` and `install`
+  step, in the image's conda `testbed` environment;
+- restore `EvalSpec.infrastructure` (tests/runtests.py, bin/test, SymPy's
+  runtests.py) with the other test infrastructure before it runs;
+- take each test's outcome from a reporter on the harness's keyed pipe, as for
+  pytest: for Django, hooks on the standard library's unittest result
+  (accepted only from inside unittest's own TestCase.run of that test, so an
+  edited django/test/ cannot report a test it did not run), named as the
+  official parser names them (the last line of the test's description); for
+  SymPy, hooks on its reporter, fingerprinted like pytest's;
+- keep the printed log, parse it with the instance's official parser and
+  `grading.cross_check` it against those outcomes: an honest run grades
+  exactly as swebench grades its log, a forged line makes it `tampered`.
+"""
