@@ -11,7 +11,7 @@ export PYTHON
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo clean-containers bench bench-sandbox bench-llm bench-load bench-cluster
+.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo train-demo clean-containers bench bench-sandbox bench-llm bench-load bench-cluster
 
 setup: setup-host setup-python images
 
@@ -93,6 +93,12 @@ bench-cluster: setup
 
 demo: setup
 	$(PYTHON) -m prorl_server demo --out demo_trajectories.jsonl
+
+# GRPO on the CPU (13 minutes here): trains the embedded model on rollouts served by a real
+# prorl-server, pushing the weights back every step; figures and the reward curve go to docs/training/.
+train-demo: setup
+	$(PIP) install --quiet -e '.[train]'
+	$(PYTHON) -m examples.grpo.train --out docs/training
 
 # Removes every container any prorl server left (all instances).
 clean-containers:

@@ -1,0 +1,1 @@
+"""GRPO on the CPU against a prorl server: see docs/training.md."""
