@@ -59,18 +59,12 @@ class AdminServicer(v1.AdminServiceServicer):
     async def Resume(  # noqa: N802
         self, request: v1.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> v1.ResumeResponse:
-        version = request.policy_version if request.HasField("policy_version") else None
-        if version is not None and version < 0:
-            raise InvalidArgument(f"policy_version must not be negative, got {version}")
-        return v1.ResumeResponse(policy_version=await self._admin.resume(version))
+        return v1.ResumeResponse(policy_version=await self._admin.resume(_policy_version(request)))
 
     async def UpdateWeights(  # noqa: N802
         self, request: v1.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> v1.UpdateWeightsResponse:
-        version = request.policy_version if request.HasField("policy_version") else None
-        if version is not None and version < 0:
-            raise InvalidArgument(f"policy_version must not be negative, got {version}")
-        update = WeightUpdate(request.model_path, tuple(request.backend_ids), version, request.resume)
+        update = WeightUpdate(request.model_path, tuple(request.backend_ids), _policy_version(request), request.resume)
         done = await self._admin.update_weights(update)
         response = v1.UpdateWeightsResponse(policy_version=done.policy_version, resumed=done.resumed)
         for backend_id, seconds in done.loaded:
@@ -116,3 +110,12 @@ class AdminServicer(v1.AdminServiceServicer):
                 for status, count in sorted(jobs.items())
             )
         return response
+
+
+def _policy_version(request: v1.ResumeRequest | v1.UpdateWeightsRequest) -> int | None:
+    """The request's policy version; None when unset."""
+    if not request.HasField("policy_version"):
+        return None
+    if request.policy_version < 0:
+        raise InvalidArgument(f"policy_version must not be negative, got {request.policy_version}")
+    return request.policy_version
