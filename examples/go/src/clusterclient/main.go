@@ -48,6 +48,7 @@ func main() {
 		"the servers: host:port,host:port,... or one gRPC target such as dns:///name:port")
 	tasks := flag.Int("tasks", 3, "math tasks to run")
 	retries := flag.Int("retries", 5, "times in a row a broken Watch is resumed before giving up")
+	restarts := flag.Uint("restarts", 0, "each job's retry.max_restarts: how often the cluster runs a job again when its server goes away")
 	token := flag.String("token", os.Getenv("PRORL_TOKEN"), "bearer token, if the servers want one")
 	timeout := flag.Duration("timeout", 10*time.Minute, "give up after this long")
 	flag.Parse()
@@ -68,7 +69,7 @@ func main() {
 	jobs := make([]string, *tasks)
 	for i := range jobs {
 		jobs[i] = fmt.Sprintf("go-cluster-%d-%d", run, i)
-		if _, err := client.Submit(ctx, &prorlv1.SubmitRequest{Rollout: mathTask(jobs[i], i)}); err != nil {
+		if _, err := client.Submit(ctx, &prorlv1.SubmitRequest{Rollout: mathTask(jobs[i], i, uint32(*restarts))}); err != nil {
 			log.Fatalf("submit %s: %v", jobs[i], err)
 		}
 	}
@@ -129,7 +130,7 @@ func dial(ctx context.Context, targets string) (*grpc.ClientConn, error) {
 	return grpc.DialContext(ctx, target, options...)
 }
 
-func mathTask(job string, i int) *prorlv1.RolloutRequest {
+func mathTask(job string, i int, restarts uint32) *prorlv1.RolloutRequest {
 	instance, err := structpb.NewStruct(map[string]interface{}{
 		"question": fmt.Sprintf("What is %d + %d?", i, i+1),
 		"answer":   fmt.Sprintf("%d", 2*i+1),
@@ -143,6 +144,7 @@ func mathTask(job string, i int) *prorlv1.RolloutRequest {
 		Handler:  "math",
 		Instance: instance,
 		Limits:   &prorlv1.AgentLimits{MaxTurns: &maxTurns},
+		Retry:    &prorlv1.RetryPolicy{MaxRestarts: restarts},
 	}
 }
 
