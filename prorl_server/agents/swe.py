@@ -6,9 +6,10 @@ FAIL_TO_PASS and PASS_TO_PASS (lists, or JSON strings of lists as in the
 published datasets), plus `image`, a sandbox image holding the repository at
 base_commit in `repo_dir` (default /testbed). Optional: `pythonpath` for the
 tests (e.g. "src") and `eval_timeout_s`. With `version` (or a swebench 5
-`eval_script`), an instance whose official evaluation runs its tests with
-something other than pytest (Django, SymPy, Sphinx's tox) is refused at Submit:
-the judge runs pytest (verifiers/swebench says what remains).
+`eval_script`), the instance is judged as SWE-bench's official evaluation
+runs it: pytest, Django's tests/runtests.py or SymPy's bin/test (see
+verifiers/swe.py); an instance whose official runner is anything else
+(Sphinx's tox, ...) is refused at Submit.
 
 The agent works with bash and the file editor. Its submission is whatever the
 repository's `git diff` against base_commit says when it stops, never text the
@@ -31,8 +32,8 @@ from prorl_server.agents.fields import Seconds, Text
 from prorl_server.agents.loop import ToolLoopHandler, describe_tools
 from prorl_server.agents.tools import BashTool, EditorTool, FinishTool
 from prorl_server.errors import InfrastructureError, InvalidArgument, PolicyError
-from prorl_server.verifiers.swe import judge
-from prorl_server.verifiers.swebench.specs import UnknownSpec, official_runner, spec_for
+from prorl_server.verifiers.swe import RUNNER_SCRIPTS, judge, runner_command
+from prorl_server.verifiers.swebench.specs import EvalSpec, UnknownSpec, official_runner, spec_for
 
 DEFAULT_REPO_DIR = "/testbed"
 DEFAULT_EVAL_TIMEOUT_S = 300.0
@@ -93,9 +94,8 @@ def node_ids(instance: dict[str, Any], field: str) -> list[str]:
 TestIds = Annotated[list[str], BeforeValidator(_test_list)]
 
 
+JUDGED_RUNNERS = frozenset({"pytest", *RUNNER_SCRIPTS})
 RUNNER_NAMES = {
-    "django": "tests/runtests.py",
-    "sympy": "bin/test",
     "tox": "tox",
     "other": "a command other than pytest",
 }
@@ -147,10 +147,10 @@ class SWEInstance(TaskInstance):
         return value
 
     @model_validator(mode="after")
-    def _judged_by_pytest(self) -> SWEInstance:
-        """The judge runs pytest: refuse, rather than score wrongly, an instance whose
-        official evaluation runs another test runner (Django's tests/runtests.py,
-        SymPy's bin/test, tox)."""
+    def _judged_runner(self) -> SWEInstance:
+        """The judge runs pytest, Django's tests/runtests.py and SymPy's bin/test: refuse,
+        rather than score wrongly, an instance whose official evaluation runs another
+        test runner (tox, ...) or a command the judge cannot split."""
         runner = "pytest"
         if self.eval_script:
             try:
@@ -159,12 +159,27 @@ class SWEInstance(TaskInstance):
                 raise ValueError(f"its eval_script cannot be used: {exc}") from None
         else:
             runner = official_runner(self.repo, self.version) or runner
-        if runner != "pytest":
+        if runner not in JUDGED_RUNNERS:
             raise ValueError(
                 f"{self.repo} {self.version} runs its tests with {RUNNER_NAMES.get(runner, runner)} in SWE-bench's "
-                "official evaluation; this server judges pytest runs only"
+                f"official evaluation; this server judges {', '.join(sorted(JUDGED_RUNNERS))} runs only"
             )
+        if runner in RUNNER_SCRIPTS:
+            try:
+                runner_command(spec_for(self.model_dump()), self.test_patch)
+            except UnknownSpec as exc:
+                raise ValueError(f"its official evaluation cannot be run: {exc}") from None
         return self
+
+    def evaluation(self) -> EvalSpec | None:
+        """The official evaluation, when the judge runs a runner other than pytest for it."""
+        if not (self.eval_script or self.version):
+            return None
+        try:
+            spec = spec_for(self.model_dump())
+        except UnknownSpec:
+            return None
+        return spec if spec.runner in RUNNER_SCRIPTS else None
 
 
 @dataclass(frozen=True)
@@ -244,5 +259,6 @@ class SWEHandler(ToolLoopHandler[SWEInstance, SWERunOutcome]):
             pass_to_pass=instance.PASS_TO_PASS,
             pythonpath=instance.pythonpath,
             timeout_s=float(instance.eval_timeout_s),
+            evaluation=instance.evaluation(),
         )
         return EvalOutcome(1.0 if verdict.resolved else 0.0, {**details, **verdict.details()})

@@ -6,6 +6,14 @@ upstream fix: the gold `patch`) and `test.patch` (the upstream test that
 catches the bug). Its image holds the fixed release with both patches
 reversed, committed as a git repository at `/testbed`; that commit is the
 task's `base_commit`, made reproducible by a fixed author, committer and date.
+Files under the task's `files/` (e.g. SymPy's `bin/test`, which its sdists
+lack) are added to the repository before that commit.
+
+A task whose task.json has `"layout": "testbed"` is built in SWE-bench's image
+layout (Containerfile.testbed): a `testbed` environment at
+/opt/miniconda3/envs/testbed holding the wheels pinned in `requirements`
+(downloaded on the host) and the repository installed in development mode,
+activated by `source /opt/miniconda3/bin/activate; conda activate testbed`.
 
 Usage (standard library only, so the image build can run it):
   python -m prorl_server.datasets.swe prepare TASK_DIR CONTEXT_DIR   # build context of one image
@@ -31,8 +39,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 TASKS_DIR = ROOT / "sandbox_images" / "swe" / "tasks"
 CONTAINERFILE = ROOT / "sandbox_images" / "swe" / "Containerfile.task"
+TESTBED_CONTAINERFILE = ROOT / "sandbox_images" / "swe" / "Containerfile.testbed"
+ACTIVATE_SHIM = ROOT / "sandbox_images" / "swe" / "activate"
 REPO_DIR = "/testbed"
 SDIST_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "prorl" / "sdists"
+WHEEL_CACHE = Path(os.environ.get("PRORL_WHEEL_CACHE", "/var/cache/prorl-wheels"))
 _GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "prorl",
     "GIT_AUTHOR_EMAIL": "prorl@localhost",
@@ -68,7 +79,33 @@ def load_task(task_dir: Path) -> dict[str, Any]:
         "PASS_TO_PASS": meta["PASS_TO_PASS"],
         "pythonpath": meta.get("pythonpath", ""),
         "image": image_name(meta["instance_id"]),
+        **({"eval_timeout_s": meta["eval_timeout_s"]} if "eval_timeout_s" in meta else {}),
     }
+
+
+def _is_testbed(meta: dict[str, Any]) -> bool:
+    return meta.get("layout") == "testbed"
+
+
+def _wheels(meta: dict[str, Any], dest: Path) -> None:
+    """The task's pinned requirements as wheels (pip download into the cache) copied to `dest`."""
+    pins = [str(pin) for pin in meta.get("requirements", [])]
+    dest.mkdir(parents=True, exist_ok=True)
+    if not pins:
+        return
+    WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+         "--only-binary", ":all:", "--dest", str(WHEEL_CACHE), *pins],
+        check=True,
+    )  # fmt: skip
+    for pin in pins:
+        name, version = pin.split("==")
+        stem = f"{name.replace('-', '_').lower()}-{version}-"
+        found = [wheel for wheel in WHEEL_CACHE.glob("*.whl") if wheel.name.lower().startswith(stem)]
+        if not found:
+            raise SystemExit(f"no wheel of {pin} in {WHEEL_CACHE}")
+        shutil.copy(found[0], dest / found[0].name)
 
 
 def to_task(instance: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +159,16 @@ def _plain_members(bundle: tarfile.TarFile) -> list[tarfile.TarInfo]:
 
 def _git(repo: Path, *args: str) -> str:
     env = {**os.environ, **_GIT_IDENTITY}
-    done = subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True)
+    # safe.directory: as root, an sdist unpacks with its packager's file owner.
+    # gc.auto=0: no packing in the background while the image build copies .git.
+    done = subprocess.run(
+        ["git", "-c", "safe.directory=*", "-c", "gc.auto=0", *args],
+        cwd=repo,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return done.stdout.strip()
 
 
@@ -133,6 +179,9 @@ def build_repository(task_dir: Path, dest: Path) -> str:
         source = _extract(_sdist(meta), Path(scratch))
         for patch in ("test.patch", "fix.patch"):
             subprocess.run(["git", "apply", "-R", str(task_dir / patch)], cwd=source, check=True)
+        extra = task_dir / "files"
+        if extra.is_dir():
+            shutil.copytree(extra, source, dirs_exist_ok=True)
         shutil.move(str(source), dest)
     _git(dest, "init", "--quiet", "--initial-branch=main")
     _git(dest, "add", "--all")
@@ -149,13 +198,23 @@ def prepare(task_dir: Path, context: Path) -> None:
             f"{task_dir.name}: the repository builds as {commit}, task.json pins {meta.get('base_commit')!r}; "
             "run `python -m prorl_server.datasets.swe pin` if the task changed"
         )
-    shutil.copy(CONTAINERFILE, context / "Containerfile")
+    if _is_testbed(meta):
+        shutil.copy(TESTBED_CONTAINERFILE, context / "Containerfile")
+        shutil.copy(ACTIVATE_SHIM, context / "activate")
+        _wheels(meta, context / "wheels")
+        (context / "requirements.txt").write_text("".join(f"{pin}\n" for pin in meta.get("requirements", [])))
+    else:
+        shutil.copy(CONTAINERFILE, context / "Containerfile")
 
 
 def digest(task_dir: Path) -> str:
     """Changes whenever anything the task's image is built from changes."""
     sha = hashlib.sha256()
-    for path in [CONTAINERFILE, *(task_dir / name for name in ("task.json", "fix.patch", "test.patch"))]:
+    meta = json.loads((task_dir / "task.json").read_text())
+    recipe = [TESTBED_CONTAINERFILE, ACTIVATE_SHIM] if _is_testbed(meta) else [CONTAINERFILE]
+    extra = sorted(path for path in (task_dir / "files").rglob("*") if path.is_file())
+    for path in [*recipe, *(task_dir / name for name in ("task.json", "fix.patch", "test.patch")), *extra]:
+        sha.update(path.relative_to(ROOT).as_posix().encode() if path in extra else b"")
         sha.update(path.read_bytes())
     return sha.hexdigest()[:16]
 

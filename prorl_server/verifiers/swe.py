@@ -18,6 +18,18 @@ steps in the sandbox, following SWE-bench's harness with the holes closed:
    test's outcome to the harness over a pipe. Test outcomes come from there,
    never from the printed log (its tail stays in `log_tail` for humans).
 
+Django's and SymPy's instances (their official runner is not pytest) are run
+with that runner's official command (verifiers/swebench/specs.py) in the
+image's `testbed` environment, activated as SWE-bench's eval script does; the
+runner's files (EvalSpec.infrastructure) and its test folders are restored
+like the test files. Each test's outcome comes from the harness's own hooks
+(unittest's results under Django, SymPy's reporter), named as SWE-bench's
+parser names tests; the printed log is parsed with that parser and
+`grading.cross_check`ed against them: a test passes only if both say so, a log
+line claiming more than the run reported makes the verdict `tampered`, and the
+selected tests are graded as swebench's get_eval_tests_report and
+get_resolution_status grade them (RESOLVED_FULL resolves).
+
 Verdicts: resolved, unresolved, patch_does_not_apply, tests_timed_out,
 test_files_not_restorable, tampered (the outcome stream does not add up: a
 test reported twice, pytest's exit status contradicting its reports, pytest's
@@ -31,6 +43,7 @@ prorl_judge.py.
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,10 +51,23 @@ from typing import Any
 from prorl_server.errors import InfrastructureError
 from prorl_server.sandbox.base import Sandbox
 from prorl_server.verifiers.harness import HARNESS_GRACE_S, LOG_TAIL_CHARS, NO_VERDICT, run_harness
+from prorl_server.verifiers.swebench import grading
+from prorl_server.verifiers.swebench.specs import (
+    END_TEST_OUTPUT,
+    START_TEST_OUTPUT,
+    TEST_EXIT_CODE,
+    EvalSpec,
+    UnknownSpec,
+    test_command,
+)
 
 PASSING = frozenset({"PASSED", "XFAIL"})
 # Beyond the tests' own time: git work on the repository (apply, diff, checkout).
 GIT_GRACE_S = 90.0
+# Runners the judge runs with their own reporter, and the script each official command starts.
+RUNNER_SCRIPTS = {"django": "tests/runtests.py", "sympy": "bin/test"}
+_ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_EXPORT = re.compile(r"^export\s+([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 _FILE_HEADER = re.compile(r"^(?:diff --git a/(\S+) b/(\S+)|--- a/(\S+)|\+\+\+ b/(\S+))", re.MULTILINE)
 
 
@@ -58,6 +84,8 @@ class SWEVerdict:
     reverted: dict[str, list[str]] = field(default_factory=dict)
     """Files of the model's patch put back as at the base commit ("restored") or removed ("deleted")."""
     anomalies: list[str] = field(default_factory=list)
+    test_log: str = ""
+    """The printed log of a Django or SymPy run, as SWE-bench's parser read it (between its markers)."""
 
     def details(self) -> dict[str, Any]:
         def failing(results: dict[str, str]) -> list[str]:
@@ -89,6 +117,41 @@ def patched_files(patch: str) -> list[str]:
     return paths
 
 
+@dataclass(frozen=True)
+class RunnerCommand:
+    """An official test command, split for the judge: what it sets, what it runs, with which arguments."""
+
+    runner: str
+    env: dict[str, str]
+    args: list[str]
+
+
+def runner_command(spec: EvalSpec, test_patch: str) -> RunnerCommand:
+    """The official command of a Django or SymPy instance (swebench's test_cmd and the test
+    patch's files, or the line between a 5.x eval_script's markers), split."""
+    if spec.eval_script:
+        body = spec.eval_script.split(START_TEST_OUTPUT, 1)[1].split(END_TEST_OUTPUT, 1)[0]
+        lines = [line.strip() for line in body.splitlines()[1:-1] if line.strip()]
+        if len(lines) != 1:
+            raise UnknownSpec("the eval_script does not run one test command between its markers")
+        line = lines[0]
+    else:
+        line = test_command(spec, test_patch)
+    words = shlex.split(line)
+    env: dict[str, str] = {}
+    while words and _ENV_ASSIGNMENT.match(words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    script = RUNNER_SCRIPTS.get(spec.runner)
+    if script is None or not words or words[0].lstrip("./") != script:
+        raise UnknownSpec(f"the judge does not run {line!r} (its runners: {', '.join(RUNNER_SCRIPTS)})")
+    for command in spec.eval_commands:
+        export = _EXPORT.match(command.strip())
+        if export:
+            env[export.group(1)] = shlex.split(export.group(2))[0] if export.group(2).strip() else ""
+    return RunnerCommand(spec.runner, env, words[1:])
+
+
 def _strings(value: Any) -> list[str]:
     return [str(item) for item in value] if isinstance(value, list) else []
 
@@ -104,10 +167,17 @@ async def judge(
     pass_to_pass: Sequence[str],
     pythonpath: str,
     timeout_s: float,
+    evaluation: EvalSpec | None = None,
 ) -> SWEVerdict:
-    """Judge `patch` in `sandbox`, a fresh sandbox whose repository is at `base_commit`."""
+    """Judge `patch` in `sandbox`, a fresh sandbox whose repository is at `base_commit`.
+
+    With `evaluation` (the instance's official evaluation) whose runner is Django's
+    or SymPy's, the tests run with it; otherwise with pytest."""
     tests = list(dict.fromkeys([*fail_to_pass, *pass_to_pass]))
-    spec = {
+    command = None
+    if evaluation is not None and evaluation.runner in RUNNER_SCRIPTS:
+        command = runner_command(evaluation, test_patch)
+    spec: dict[str, Any] = {
         "repo_dir": repo_dir,
         "base_commit": base_commit,
         "patch": patch,
@@ -116,6 +186,14 @@ async def judge(
         "pythonpath": pythonpath,
         "timeout_s": timeout_s,
     }
+    if command is not None and evaluation is not None:
+        spec.update(
+            runner=command.runner,
+            test_args=command.args,
+            env=command.env,
+            infrastructure=list(evaluation.infrastructure),
+            protect_test_dirs=True,
+        )
     result = await run_harness(sandbox, "swe", spec, timeout_s + GIT_GRACE_S + HARNESS_GRACE_S)
     tail = result.output[-LOG_TAIL_CHARS:]
     outcome = result.verdict
@@ -135,6 +213,8 @@ async def judge(
     statuses = outcome.get("statuses")
     if stage != "tests" or not ok or not isinstance(statuses, dict):
         return SWEVerdict(False, NO_VERDICT, log_tail=tail, reason="the harness gave a malformed verdict")
+    if command is not None and evaluation is not None:
+        return _graded(outcome, evaluation, list(fail_to_pass), list(pass_to_pass), tail, reverted)
     f2p = {test: str(statuses.get(test, "MISSING")) for test in fail_to_pass}
     p2p = {test: str(statuses.get(test, "MISSING")) for test in pass_to_pass}
     found = SWEVerdict(False, "unresolved", f2p, p2p, tail, reverted=reverted)
@@ -154,4 +234,56 @@ async def judge(
         return replace(found, reason=f"{failing} of {len(f2p) + len(p2p)} selected tests did not pass")
     if outcome.get("exitstatus") != 0:
         return replace(found, reason=f"pytest exited with status {outcome.get('exitstatus')}")
+    return replace(found, resolved=True, verdict="resolved")
+
+
+def official_log(printed: str, exit_code: object) -> str:
+    """A runner's printed log as SWE-bench's eval script frames it (markers, exit code line)."""
+    code = exit_code if isinstance(exit_code, int) else 1
+    return f"+ : '{START_TEST_OUTPUT}'\n{printed}\n+ : '{END_TEST_OUTPUT}'\n{TEST_EXIT_CODE}: {code}\n"
+
+
+def _graded(
+    outcome: dict[str, Any],
+    evaluation: EvalSpec,
+    fail_to_pass: list[str],
+    pass_to_pass: list[str],
+    tail: str,
+    reverted: dict[str, list[str]],
+) -> SWEVerdict:
+    """A Django or SymPy run: the log through SWE-bench's parser, cross-checked with the reporter."""
+    raw = outcome.get("statuses")
+    trusted = {str(name): str(status) for name, status in raw.items()} if isinstance(raw, dict) else {}
+    log = official_log(str(outcome.get("log", "")), outcome.get("exit_code"))
+    logged, valid = grading.statuses_from_log(log, evaluation.log_parser)
+    combined, forged = grading.cross_check(trusted, logged, [*fail_to_pass, *pass_to_pass])
+
+    def status(test: str) -> str:
+        return grading.status_of(test, combined) or "MISSING"
+
+    f2p = {test: status(test) for test in fail_to_pass}
+    p2p = {test: status(test) for test in pass_to_pass}
+    printed = str(outcome.get("log", ""))
+    found = SWEVerdict(
+        False, "unresolved", f2p, p2p, printed[-LOG_TAIL_CHARS:] or tail, reverted=reverted, test_log=log
+    )
+    if outcome.get("timed_out") is True:
+        return replace(found, verdict="tests_timed_out")
+    anomalies = [*_strings(outcome.get("anomalies")), *forged]
+    if outcome.get("complete") is not True:
+        reason = (
+            "the test run ended before the test command finished (the runner was killed or made to exit; "
+            f"exit status {outcome.get('runner_exit')})"
+        )
+        return replace(found, verdict=NO_VERDICT, reason=reason, anomalies=anomalies)
+    if anomalies:
+        return replace(found, verdict="tampered", reason="the test outcomes do not add up", anomalies=anomalies)
+    if not valid:
+        return replace(found, reason="SWE-bench's grading finds no valid test run in the log")
+    eval_type: grading.EvalType = "fail_only" if evaluation.eval_type == "fail_only" else "pass_and_fail"
+    report = grading.tests_report(combined, fail_to_pass, pass_to_pass, eval_type)
+    resolution = grading.resolution_status(report)
+    if resolution != grading.FULL:
+        failing = len(report[grading.F2P]["failure"]) + len(report[grading.P2P]["failure"])
+        return replace(found, reason=f"{resolution}: {failing} of {len(f2p) + len(p2p)} selected tests did not pass")
     return replace(found, resolved=True, verdict="resolved")

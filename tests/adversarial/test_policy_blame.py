@@ -14,7 +14,7 @@ import pytest
 from podman import PodmanClient
 
 from prorl_client import v1
-from prorl_server.datasets.swe import load_task, task_dirs
+from prorl_server.datasets.swe import TASKS_DIR, load_task
 from tests.conftest import job_containers
 from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index
 from tests.helpers import assert_eventually, math_request
@@ -147,7 +147,7 @@ async def test_a_container_ended_from_outside_stays_infrastructure(
 
 
 async def test_viewing_a_70_mb_file_is_capped_and_the_job_stays_readable(scripted_llm, start_server) -> None:
-    task = load_task(task_dirs()[0])
+    task = load_task(TASKS_DIR / "kjd__idna-3.8")
     request = v1.RolloutRequest(handler="swe", job_id="big-view")
     request.instance.update({key: value for key, value in task.items() if key != "patch"})
     view = ("str_replace_editor", {"command": "view", "path": "/var/tmp/big.txt"})
@@ -178,7 +178,7 @@ async def test_viewing_a_70_mb_file_is_capped_and_the_job_stays_readable(scripte
 async def test_an_swe_agent_that_breaks_its_repository_fails_as_policy(scripted_llm, start_server) -> None:
     """The submission is the repository's git diff: an agent that deletes .git makes
     it impossible, and that is its doing (init saw git work), not infrastructure."""
-    task = load_task(task_dirs()[0])
+    task = load_task(TASKS_DIR / "kjd__idna-3.8")
     request = v1.RolloutRequest(handler="swe", job_id="no-git")
     request.instance.update({key: value for key, value in task.items() if key != "patch"})
     result = await run_job(scripted_llm, start_server, request, bash("rm -rf /testbed/.git"))

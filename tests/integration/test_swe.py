@@ -65,7 +65,8 @@ async def test_gold_patch_resolves_and_empty_patch_does_not(name: str, scripted_
     result, _ = await run_swe(client, instance)
     assert result.reward == 0.0
     assert result.details["verdict"] == "unresolved" and result.details["patch"] == ""
-    assert "FAILED" in set(result.details["fail_to_pass"].values())  # the upstream test really catches the bug
+    # the upstream test really catches the bug (MISSING: Django's test module does not even import)
+    assert set(result.details["fail_to_pass"].values()) & {"FAILED", "MISSING"}
     assert result.details["pass_to_pass_failing"] == []
 
 

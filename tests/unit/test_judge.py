@@ -273,3 +273,46 @@ def test_a_verdict_counts_only_from_a_harness_that_ended_by_itself() -> None:
         result = judge_result(reply(**fields))
         assert result.verdict is None and problem in result.problem, (fields, result.problem)
         assert result.output == "log"
+
+
+def runner_report(name: str, status: str, test_id: str = "", *, sub: bool = False, key: str = KEY) -> dict[str, Any]:
+    return {"kind": "report", "id": test_id or name, "name": name, "status": status, "sub": sub, "key": key}
+
+
+def test_django_and_sympy_outcomes_by_the_parsers_names() -> None:
+    frames = [
+        {"kind": "started", "key": KEY},
+        runner_report("test_a (app.tests.T.test_a)", "PASSED"),
+        runner_report("A docstring's first line.", "SKIPPED"),
+        runner_report("test_b (app.tests.T.test_b)", "PASSED"),
+        runner_report("test_b (app.tests.T.test_b)", "FAILED", sub=True),  # a failing subtest fails its test
+        {"kind": "exit", "code": 1, "key": KEY},
+    ]
+    outcome = judge.aggregate_results(frames, KEY)
+    assert outcome["statuses"] == {
+        "test_a (app.tests.T.test_a)": "PASSED",
+        "A docstring's first line.": "SKIPPED",
+        "test_b (app.tests.T.test_b)": "FAILED",
+    }
+    assert outcome["complete"] and not outcome["anomalies"]
+
+
+@pytest.mark.parametrize(
+    ("frames", "anomaly"),
+    [
+        ([runner_report("t", "PASSED", key="forged")], "did not come from the reporter"),
+        ([runner_report("t", "PASSED", "x@1"), runner_report("t", "PASSED", "x@1")], "two reports for x@1"),
+        ([{"kind": "foreign", "what": "addSuccess(t)", "key": KEY}], "from outside the test runner"),
+        ([{"kind": "tampered", "names": ["unittest.case.TestCase.run"], "key": KEY}], "reporting code changed"),
+        ([runner_report("t", "FAILED")], "reported success, but a test failed"),
+        ([runner_report("t", "BETTER")], "a report with status"),
+    ],
+)
+def test_runner_outcomes_that_do_not_add_up(frames: list[dict[str, Any]], anomaly: str) -> None:
+    outcome = judge.aggregate_results([*frames, {"kind": "exit", "code": 0, "key": KEY}], KEY)
+    assert any(anomaly in found for found in outcome["anomalies"]), outcome["anomalies"]
+
+
+def test_a_runner_stream_without_exit_is_incomplete() -> None:
+    outcome = judge.aggregate_results([runner_report("t", "PASSED")], KEY)
+    assert not outcome["complete"] and outcome["statuses"] == {"t": "PASSED"}

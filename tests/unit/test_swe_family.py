@@ -11,7 +11,7 @@ import pytest
 from prorl_server.agents.swe import SWEHandler, node_ids
 from prorl_server.datasets.swe import load_task, task_dirs, to_task
 from prorl_server.errors import InvalidArgument
-from prorl_server.verifiers.swe import patched_files
+from prorl_server.verifiers.swe import patched_files, runner_command
 
 INSTANCE: dict[str, Any] = {
     "instance_id": "owner__proj-1.0",
@@ -80,19 +80,44 @@ def test_shipped_tasks_are_complete_and_hide_the_gold_patch() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"repo": "django/django", "version": "3.0"}, "django/django 3.0 runs its tests with tests/runtests.py"),
-        ({"repo": "sympy/sympy", "version": "1.3"}, "sympy/sympy 1.3 runs its tests with bin/test"),
         ({"repo": "sphinx-doc/sphinx", "version": "3.5"}, "with tox"),
-        (
-            {"eval_script": ": '>>>>> Start Test Output'\n./tests/runtests.py x\n: '>>>>> End Test Output'"},
-            "runs its tests with tests/runtests.py",
-        ),
+        ({"repo": "django/django", "version": "9.9"}, "swebench defines no evaluation for django/django version"),
         ({"eval_script": "pytest -rA", "log_parser": "parse_log_pytest"}, "does not bracket its test output"),
+        (
+            {"eval_script": ": '>>>>> Start Test Output'\npython tests/runtests.py x\n: '>>>>> End Test Output'"},
+            "the judge does not run 'python tests/runtests.py x'",
+        ),
     ],
 )
-def test_instances_the_pytest_judge_would_score_wrongly_are_refused(change: dict[str, Any], message: str) -> None:
+def test_instances_the_judge_would_score_wrongly_are_refused(change: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         SWEHandler().validate({**INSTANCE, "log_parser": "parse_log_django", **change})
+
+
+@pytest.mark.parametrize(
+    ("change", "runner", "args"),
+    [
+        (
+            {"repo": "django/django", "version": "3.0"},
+            "django",
+            ["--verbosity", "2", "--settings=test_sqlite", "--parallel", "1"],
+        ),
+        ({"repo": "sympy/sympy", "version": "1.4"}, "sympy", ["-C", "--verbose"]),
+        (
+            {"eval_script": ": '>>>>> Start Test Output'\n./tests/runtests.py x\n: '>>>>> End Test Output'"},
+            "django",
+            ["x"],
+        ),
+    ],
+)
+def test_django_and_sympy_instances_are_judged_by_their_runners(
+    change: dict[str, Any], runner: str, args: list[str]
+) -> None:
+    instance = SWEHandler().validate({**INSTANCE, "log_parser": "parse_log_django", **change})
+    evaluation = instance.evaluation()
+    assert evaluation is not None and evaluation.runner == runner
+    command = runner_command(evaluation, instance.test_patch)
+    assert command.runner == runner and command.args[: len(args)] == args
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,11 @@ Modes
   infrastructure the patch touched (see is_test_infrastructure) and the test
   files, applies the test patch, and runs pytest in a child (mode `pytest`)
   with a reporter plugin that sends each test's outcome over a pipe to this
-  process; the printed log is only for humans.
+  process; the printed log is only for humans. For a Django or SymPy
+  instance it runs the official command instead (modes `django`, `sympy`,
+  below "Django's and SymPy's runners"), with hooks on unittest's results or
+  SymPy's reporter on the same kind of pipe; that printed log goes back to the
+  server, which parses it with SWE-bench's parser and cross-checks it.
 
 Residual risk (swe): the code under test is imported into the pytest process
 itself, so it can in principle do anything that process can: rewrite its
@@ -880,6 +884,8 @@ def _judge_swe(spec, workdir):
             return verdict
     test_patch = str(spec.get("test_patch", ""))
     protected_files = set(test_file_of(test) for test in tests)
+    protected_files.update(str(path) for path in spec.get("infrastructure") or [])
+    test_dirs = bool(spec.get("protect_test_dirs"))
     if test_patch.strip():
         path = os.path.join(workdir, "test.patch")
         with open(path, "wb") as handle:
@@ -887,6 +893,8 @@ def _judge_swe(spec, workdir):
         protected_files.update(patch_paths(repo, path))
 
     def protected(path):
+        if test_dirs and "tests" in path.split("/")[:-1]:
+            return True  # the runner's test packages (Django's tests/, SymPy's */tests/)
         return path in protected_files or is_test_infrastructure(path)
 
     verdict["stage"] = "restore"
@@ -904,7 +912,10 @@ def _judge_swe(spec, workdir):
             verdict.update(ok=False, output=log)
             return verdict
     verdict["stage"] = "tests"
-    verdict.update(ok=True, **run_pytest(repo, spec, tests))
+    if spec.get("runner", "pytest") == "pytest":
+        verdict.update(ok=True, **run_pytest(repo, spec, tests))
+    else:
+        verdict.update(ok=True, **run_runner(repo, spec, workdir))
     return verdict
 
 
@@ -1214,6 +1225,514 @@ def pytest_runner(report_fd, paths, args):
     os._exit(code)  # no atexit hooks, no finalizers of the code under test
 
 
+# --- Django's and SymPy's runners (children of swe mode) ------------------------------
+#
+# The official command runs in a runner child with the environment the image's
+# `testbed` activation gives (SWE-bench's `source /opt/miniconda3/bin/activate;
+# conda activate testbed`). Its printed log (stdout and stderr, to a file)
+# comes back for the server to parse with SWE-bench's parser; each test's
+# outcome comes over the keyed report pipe from hooks installed before any
+# code of the repository is imported:
+# - django: on the standard library's unittest.TestResult (which Django's
+#   result classes extend), accepted only when unittest's own TestCase.run
+#   (the code object captured at start) of that very test is on the stack, or
+#   unittest's suite code for a class- or module-level error;
+# - sympy: on PyTestReporter of sympy/testing/runtests.py (restored to the base
+#   commit, and checked against a compile of that file when it loads), accepted
+#   only when called directly from SymPyTests.test_file.
+# Everything of unittest (or of the reporter) is fingerprinted after the hooks
+# are in and compared at every report and at the end: a patch that replaces a
+# method there makes the run `tampered`.
+
+LOG_CAP = 8 << 20
+ACTIVATE = "/opt/miniconda3/bin/activate"
+_UNITTEST_MODULES = (
+    "unittest.case", "unittest.result", "unittest.suite", "unittest.runner", "unittest.loader",
+    "unittest.main", "unittest.util", "unittest.signals",
+)  # fmt: skip
+_SYMPY_WATCHED = ("PyTestReporter", "Reporter", "SymPyTests")
+_SYMPY_HOOKS = ("entering_test", "test_pass", "test_fail", "test_exception", "test_skip", "test_xfail", "test_xpass")
+
+
+def activated_env(spec):
+    """The environment of the image's testbed activation (SWE-bench's eval script's
+    first two lines) plus the version's exports; the harness's own when the image
+    has no /opt/miniconda3."""
+    env = clean_env()
+    env_name = str(spec.get("conda_env") or "testbed")
+    if os.path.exists(ACTIVATE):
+        script = "source %s && conda activate %s && env -0" % (ACTIVATE, env_name)
+        try:
+            done = subprocess.run(
+                ["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=60, cwd="/"
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            done = None
+        if done is not None and done.returncode == 0:
+            for item in done.stdout.split(b"\0"):
+                name, sep, value = item.decode("utf-8", "replace").partition("=")
+                if sep and name in ("PATH", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "CONDA_SHLVL"):
+                    env[name] = value
+    for name, value in dict(spec.get("env") or {}).items():
+        env[str(name)] = str(value)
+    return env
+
+
+def runner_python(env):
+    found = shutil.which("python", path=env.get("PATH")) or shutil.which("python3", path=env.get("PATH"))
+    return found or sys.executable
+
+
+def run_runner(repo, spec, workdir):
+    """Run the official command of a Django or SymPy instance; outcomes from the report pipe."""
+    runner = str(spec["runner"])
+    timeout = float(spec["timeout_s"])
+    args = [str(arg) for arg in spec.get("test_args") or []]
+    env = activated_env(spec)
+    env["PYTHONHASHSEED"] = str(int.from_bytes(os.urandom(4), "big"))  # random, as the official run
+    report_r, report_w = os.pipe()
+    log_path = os.path.join(workdir, "test.log")
+    argv = [runner_python(env), "-s", "-B", "-u", os.path.abspath(__file__), runner, "--report-fd", str(report_w)]
+    started = time.monotonic()
+    key = os.urandom(16).hex()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            argv + ["--"] + args, pass_fds=(report_w,), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+            cwd=repo, env=env, preexec_fn=os.setpgrp,
+        )  # fmt: skip
+    os.close(report_w)
+    try:
+        process.stdin.write(key.encode() + b"\n")
+        process.stdin.close()
+    except OSError:
+        pass
+    reader = FrameReader(report_r)
+    frames, problem, timed_out = [], None, False
+    deadline = started + timeout
+    while True:
+        try:
+            frame = reader.read(min(deadline, time.monotonic() + 0.2))
+        except Timeout:
+            if process.poll() is not None:
+                break
+            if time.monotonic() >= deadline:
+                timed_out = True
+                break
+            continue
+        except ProtocolError as exc:
+            problem = "the report stream broke: %s" % exc
+            break
+        if frame is None:
+            break
+        frames.append(frame)
+    if timed_out or problem:
+        kill_group(process)
+    try:
+        code = process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        kill_group(process)
+        code = process.wait()
+    reader.drain(0.5, 2.0)
+    kill_descendants()
+    reader.drain(0.5, 2.0)
+    try:
+        while True:
+            frame = reader.pop()
+            if frame is None:
+                break
+            frames.append(frame)
+    except ProtocolError as exc:
+        problem = problem or "the report stream broke: %s" % exc
+    os.close(report_r)
+    with open(log_path, "rb") as handle:
+        raw = handle.read(LOG_CAP + 1)
+    outcome = aggregate_results(frames, key)
+    if problem:
+        outcome["anomalies"].append(problem)
+    if outcome["complete"] and outcome["exit_code"] != code:
+        outcome["anomalies"].append(
+            "the runner exited with %s, not the test command's %s" % (code, outcome["exit_code"])
+        )
+    outcome.update(
+        timed_out=timed_out, runner_exit=code, exitstatus=outcome["exit_code"], duration_s=time.monotonic() - started,
+        log=raw[:LOG_CAP].decode("utf-8", "replace"), log_truncated=len(raw) > LOG_CAP,
+    )  # fmt: skip
+    return outcome
+
+
+_STATUS_RANK = {"PASSED": 0, "XFAIL": 0, "SKIPPED": 1, "FAILED": 2, "ERROR": 2}
+
+
+def aggregate_results(frames, key):
+    """Per-test statuses (by the official parser's test names) from a unittest-style runner's frames.
+
+    Expected: `report` frames (a test's final outcome, once per test id, or a
+    subtest's failure), then `exit` with the test command's exit code. A frame
+    without the run key, a second final report of one test, a report from
+    outside the runner's own code (`foreign`), a changed fingerprint
+    (`tampered`), a frame after `exit`, or an exit code 0 after a failure is an
+    anomaly; without `exit` the run is incomplete."""
+    anomalies, statuses, finals = [], {}, set()
+    sub_failed = {}
+    exit_code, after_exit, foreign_frames = None, False, 0
+    failed = False
+    for frame in frames:
+        if frame.get("key") != key:
+            foreign_frames += 1
+            continue
+        kind = frame.get("kind")
+        if exit_code is not None:
+            after_exit = True
+        if kind == "report":
+            name, status = str(frame.get("name")), str(frame.get("status"))
+            if status not in _STATUS_RANK:
+                anomalies.append("a report with status %r" % status[:20])
+                continue
+            failed = failed or status in ("FAILED", "ERROR")
+            if frame.get("sub") is True:
+                sub_failed[name] = status
+                continue
+            test_id = str(frame.get("id"))
+            if test_id in finals:
+                anomalies.append("two reports for %s" % test_id[:200])
+            finals.add(test_id)
+            statuses[name] = status
+        elif kind == "foreign":
+            anomalies.append("a test outcome reported from outside the test runner: %s" % str(frame.get("what"))[:300])
+        elif kind == "tampered":
+            anomalies.append(
+                "the test runner's reporting code changed during the run: %s" % str(frame.get("names"))[:500]
+            )
+        elif kind == "exit" and exit_code is None:
+            exit_code = frame.get("code")
+        elif kind != "started":
+            anomalies.append("an unexpected %s frame" % str(kind)[:40])
+    for name, status in sub_failed.items():
+        if _STATUS_RANK.get(statuses.get(name, "PASSED"), 0) < _STATUS_RANK[status]:
+            statuses[name] = status
+    if after_exit:
+        anomalies.append("frames after the runner's last one")
+    if foreign_frames:
+        anomalies.append("%d frames that did not come from the reporter (no run key)" % foreign_frames)
+    if exit_code == 0 and failed:
+        anomalies.append("the test command reported success, but a test failed")
+    return {
+        "statuses": statuses,
+        "anomalies": anomalies,
+        "exit_code": exit_code,
+        "complete": exit_code is not None and type(exit_code) is int,
+    }
+
+
+def _identity_fingerprint(classes, modules):
+    """Functions and classes of `modules` and members of `classes`, by identity and code."""
+    items = {}
+
+    def add(key, value):
+        if isinstance(value, (type, classmethod, staticmethod, property)) or callable(value):
+            function = getattr(value, "__func__", getattr(value, "fget", value))
+            items[key] = (value, getattr(function, "__code__", None))
+
+    for module in modules:
+        for attr, value in list(vars(module).items()):
+            add(module.__name__ + "." + attr, value)
+            if isinstance(value, type) and getattr(value, "__module__", None) == module.__name__:
+                for member, inner in list(vars(value).items()):
+                    add("%s.%s.%s" % (module.__name__, attr, member), inner)
+    for cls in classes:
+        for member, inner in list(vars(cls).items()):
+            add("%s.%s" % (cls.__qualname__, member), inner)
+    return items
+
+
+class _Channel(object):
+    """The runner's end of the report pipe; the key stays in this object's closure."""
+
+    def __init__(self, report_fd):
+        os.set_inheritable(report_fd, False)
+        key = sys.stdin.readline().strip()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        write, dumps, pack = os.write, json.dumps, HEADER.pack
+
+        def send(message):
+            message["key"] = key
+            body = dumps(message).encode("utf-8")
+            data = memoryview(pack(len(body)) + body)
+            while data:
+                data = data[write(report_fd, data) :]
+
+        self.send = send
+        self.fd = report_fd
+
+
+def _finish(channel, code):
+    channel.send({"kind": "exit", "code": code})
+    os.close(channel.fd)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os._exit(code)
+
+
+def _exit_code(exc):
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    try:
+        sys.stderr.write(str(code) + "\n")
+    except Exception:
+        pass
+    return 1
+
+
+def django_runner(report_fd, args):
+    """`./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 MODULES` with
+    unittest's results reported over the pipe."""
+    harden()
+    channel = _Channel(report_fd)
+    send = channel.send
+    import runpy
+    import unittest
+    import unittest.case
+    import unittest.result
+    import unittest.suite
+
+    for name in _PRELOAD_STDLIB + ("unittest.mock", "runpy", "argparse", "multiprocessing"):
+        try:
+            __import__(name)
+        except Exception:
+            pass
+    run_code = unittest.case.TestCase.run.__code__
+    suite_codes = set()
+    for value in vars(unittest.suite).values():
+        for member in list(vars(value).values()) if isinstance(value, type) else [value]:
+            code = getattr(member, "__code__", None)
+            if code is not None:
+                suite_codes.add(code)
+    getframe = sys._getframe
+    result_class = unittest.result.TestResult
+    originals = dict((name, getattr(result_class, name)) for name in (
+        "addSuccess", "addFailure", "addError", "addSkip", "addExpectedFailure", "addUnexpectedSuccess", "addSubTest",
+    ))  # fmt: skip
+
+    def name_of(test):
+        """The test's name in the log: the last line of unittest's description of it."""
+        try:
+            doc = test.shortDescription()
+            return str(doc) if doc else str(test)
+        except Exception:
+            return "<unnamed test>"
+
+    def inside_run(test):
+        """Whether unittest's own TestCase.run of `test` (or its suite code, for a
+        class- or module-level error) is on the stack."""
+        frame = getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            if code is run_code and frame.f_locals.get("self") is test:
+                return True
+            if code in suite_codes and not isinstance(test, unittest.case.TestCase):
+                return True
+            frame = frame.f_back
+        return False
+
+    def hook(method, status_of):
+        original = originals[method]
+
+        def reporting(self, test, *rest):
+            check()
+            status, sub = status_of(test, *rest)
+            # A failure counts from anywhere (Django's own _setup_and_call reports a failed
+            # _pre_setup outside TestCase.run): only a pass or a skip needs the test to have run.
+            if status in ("FAILED", "ERROR") or (status is not None and inside_run(test)):
+                send({"kind": "report", "id": "%s@%x" % (type(test).__name__, id(test)) if not sub else "",
+                      "name": name_of(test), "status": status, "sub": sub})  # fmt: skip
+            elif status is not None:
+                send({"kind": "foreign", "what": "%s(%s)" % (method, name_of(test))})
+            return original(self, test, *rest)
+
+        reporting.__name__ = reporting.__qualname__ = method
+        setattr(result_class, method, reporting)
+
+    def failure_kind(test, err):
+        try:
+            return "FAILED" if issubclass(err[0], test.failureException) else "ERROR"
+        except Exception:
+            return "ERROR"
+
+    hook("addSuccess", lambda test: ("PASSED", False))
+    hook("addFailure", lambda test, err: ("FAILED", False))
+    hook("addError", lambda test, err: ("ERROR", False))
+    hook("addSkip", lambda test, reason: ("SKIPPED", False))
+    hook("addExpectedFailure", lambda test, err: ("XFAIL", False))
+    hook("addUnexpectedSuccess", lambda test: ("FAILED", False))
+    hook("addSubTest", lambda test, sub, err: (None if err is None else failure_kind(test, err), True))
+    modules = [sys.modules[name] for name in _UNITTEST_MODULES if name in sys.modules]
+    baseline = _identity_fingerprint([], modules)
+    reported = set()
+
+    def check():
+        changed = _changed(baseline, _identity_fingerprint([], modules))
+        if changed and tuple(changed) not in reported:
+            reported.add(tuple(changed))
+            send({"kind": "tampered", "names": changed[:50]})
+
+    send({"kind": "started"})
+    script = os.path.join(os.getcwd(), "tests", "runtests.py")
+    sys.argv = ["./tests/runtests.py"] + list(args)
+    sys.path[0:0] = [os.path.dirname(script)]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    check()
+    _finish(channel, code)
+
+
+class _RunnerFinder(object):
+    """Installs `install(module)` right after `name` is executed (a post-import hook)."""
+
+    def __init__(self, name, install):
+        self.name, self.install = name, install
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader, install = spec.loader, self.install
+        execute = loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            install(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _code_objects(code, prefix=""):
+    """{qualified name: code} of every function in a compiled module."""
+    found = {}
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            name = prefix + const.co_name
+            found[name] = const
+            found.update(_code_objects(const, name + "."))
+    return found
+
+
+def _same_code(a, b):
+    return a.co_code == b.co_code and a.co_names == b.co_names and a.co_varnames == b.co_varnames
+
+
+def sympy_runner(report_fd, args):
+    """`bin/test -C --verbose FILES` with SymPy's reporter reporting over the pipe."""
+    harden()
+    channel = _Channel(report_fd)
+    send = channel.send
+    import runpy
+
+    compile_ = builtins.compile
+    getframe = sys._getframe
+    state = {"baseline": None, "test_file": None, "current": None, "classes": []}
+    repo = os.getcwd()
+    expected_file = os.path.join(repo, "sympy", "testing", "runtests.py")
+
+    def install(module):
+        if os.path.realpath(str(getattr(module, "__file__", ""))) != os.path.realpath(expected_file):
+            send({"kind": "tampered", "names": ["sympy.testing.runtests loaded from %s" % module.__file__]})
+            return
+        with open(expected_file, "rb") as handle:
+            reference = _code_objects(compile_(handle.read(), module.__file__, "exec", dont_inherit=True))
+        classes = [getattr(module, name, None) for name in _SYMPY_WATCHED]
+        if not all(isinstance(cls, type) for cls in classes):
+            send({"kind": "tampered", "names": ["sympy's reporter classes are missing"]})
+            return
+        differ = []
+        for cls in classes:
+            for member, value in vars(cls).items():
+                code = getattr(value, "__code__", None)
+                if code is not None:
+                    want = reference.get("%s.%s" % (cls.__name__, member))
+                    if want is None or not _same_code(code, want):
+                        differ.append("%s.%s" % (cls.__name__, member))
+        if differ:
+            send({"kind": "tampered", "names": differ[:50]})
+        reporter = module.PyTestReporter
+        state["test_file"] = module.SymPyTests.test_file.__code__
+        for method in _SYMPY_HOOKS:
+            hook(reporter, method)
+        state["classes"] = classes
+        state["baseline"] = _identity_fingerprint(classes, [])
+
+    status_of = {
+        "test_pass": "PASSED", "test_fail": "FAILED", "test_exception": "ERROR", "test_skip": "SKIPPED",
+        "test_xfail": "XFAIL", "test_xpass": "FAILED",
+    }  # fmt: skip
+
+    def hook(reporter, method):
+        original = vars(reporter)[method]
+
+        def reporting(self, *rest, **options):
+            check()
+            caller = getframe(1).f_code
+            if caller is not state["test_file"] and method not in ("test_fail", "test_exception"):
+                send({"kind": "foreign", "what": "%s from %s" % (method, caller.co_name)})
+            elif method == "entering_test":
+                function = rest[0] if rest else options.get("f")
+                state["current"] = (getattr(function, "__name__", "?"), id(function))
+            elif state["current"] is not None:
+                name, ident = state["current"]
+                state["current"] = None
+                send({"kind": "report", "id": "%s@%x" % (name, ident), "name": name, "status": status_of[method]})
+            return original(self, *rest, **options)
+
+        reporting.__name__ = reporting.__qualname__ = method
+        setattr(reporter, method, reporting)
+
+    reported = set()
+
+    def check():
+        if state["baseline"] is None:
+            return
+        changed = _changed(state["baseline"], _identity_fingerprint(state["classes"], []))
+        if changed and tuple(changed) not in reported:
+            reported.add(tuple(changed))
+            send({"kind": "tampered", "names": changed[:50]})
+
+    sys.meta_path.insert(0, _RunnerFinder("sympy.testing.runtests", install))
+    send({"kind": "started"})
+    script = os.path.join(repo, "bin", "test")
+    sys.argv = ["bin/test"] + list(args)
+    sys.path[0:0] = [os.path.dirname(script)]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if state["baseline"] is None:
+        send({"kind": "tampered", "names": ["sympy's test runner was never loaded from the repository"]})
+    check()
+    _finish(channel, code)
+
+
 # --- entry point ----------------------------------------------------------------------
 
 JUDGES = {"function": judge_function, "stdio": judge_stdio, "swe": judge_swe}
@@ -1251,6 +1770,10 @@ def main(argv):
         candidate_worker(int(options["--fd-in"][0]), int(options["--fd-out"][0]))
     elif mode == "pytest":
         pytest_runner(int(options["--report-fd"][0]), options.get("--path", []), positional)
+    elif mode == "django":
+        django_runner(int(options["--report-fd"][0]), positional)
+    elif mode == "sympy":
+        sympy_runner(int(options["--report-fd"][0]), positional)
     else:
         print("unknown mode %r" % mode, file=sys.stderr)
         return 2

@@ -10,22 +10,25 @@ dependencies pull docker, modal and datasets). tests/unit/test_swebench_semantic
 compares every function with swebench's own, installed for the tests with
 `pip install --no-deps swebench==5.0.2 unidiff`.
 
-How the judge is to use it for runners other than pytest (not done yet; until
-then agents/swe.py refuses such instances at Submit):
-- run the official test command (`specs.test_command`: Django's
+How the judge uses it for runners other than pytest (verifiers/swe.py and
+prorl_judge.py's `django` and `sympy` runner modes; docs/handlers.md):
+- the official test command (`specs.test_command`: Django's
   `./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1
-  <modules>`, SymPy's `bin/test -C --verbose <files>`) in a runner child of
-  the judging harness, after the version's `eval_commands` and `install`
-  step, in the image's conda `testbed` environment;
-- restore `EvalSpec.infrastructure` (tests/runtests.py, bin/test, SymPy's
-  runtests.py) with the other test infrastructure before it runs;
-- take each test's outcome from a reporter on the harness's keyed pipe, as for
-  pytest: for Django, hooks on the standard library's unittest result
-  (accepted only from inside unittest's own TestCase.run of that test, so an
-  edited django/test/ cannot report a test it did not run), named as the
-  official parser names them (the last line of the test's description); for
-  SymPy, hooks on its reporter, fingerprinted like pytest's;
-- keep the printed log, parse it with the instance's official parser and
-  `grading.cross_check` it against those outcomes: an honest run grades
+  <modules>`, SymPy's `bin/test -C --verbose <files>`, or the line between a
+  5.x eval_script's markers) runs in a runner child of the judging harness,
+  in the image's conda `testbed` environment as the eval script activates
+  it, with the version's `export` lines (the `install` step is not run: the
+  image already has the repository installed, and the sandbox no network);
+- `EvalSpec.infrastructure` (tests/runtests.py, bin/test, SymPy's
+  runtests.py) and every file under a tests/ folder are restored with the
+  other test infrastructure before it runs;
+- each test's outcome comes from a reporter on the harness's keyed pipe: for
+  Django, hooks on the standard library's unittest result, accepted only from
+  inside unittest's own TestCase.run of that test, named as the official
+  parser names them (the last line of the test's description); for SymPy,
+  hooks on its reporter, checked against a compile of the restored file and
+  accepted only when SymPyTests.test_file calls them; both fingerprinted;
+- the printed log is parsed with the instance's official parser and
+  `grading.cross_check`ed against those outcomes: an honest run grades
   exactly as swebench grades its log, a forged line makes it `tampered`.
 """

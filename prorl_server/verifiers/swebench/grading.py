@@ -85,6 +85,12 @@ def _resolve_case(case: str, status_map: Mapping[str, str]) -> str | None:
     return None
 
 
+def status_of(case: str, status_map: Mapping[str, str]) -> str | None:
+    """A selected test's status in a status map, found as swebench finds it (None: absent)."""
+    key = _resolve_case(case, status_map)
+    return status_map[key] if key is not None else None
+
+
 def test_passed(case: str, status_map: Mapping[str, str]) -> bool:
     key = _resolve_case(case, status_map)
     return key is not None and status_map[key] in _PASSING

@@ -1,0 +1,281 @@
+"""Django's and SymPy's official runners in the judge, on the shipped tasks built
+in SWE-bench's image layout (the testbed environment): the gold patch resolves,
+a patch without the fix does not, the verdict's per-test outcomes are what
+swebench 5.0.2's own grading computes on the same test log, and the reward
+hacks a policy would try on these runners score 0: printed `... ok` lines
+(with or without an early exit 0), an edited tests/runtests.py or bin/test,
+and the package under test monkeypatching unittest's or SymPy's reporter.
+
+The judge is called directly on a sandbox of the task's image (the server
+path, Submit to reward, is tests/integration/test_swe.py's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prorl_server.agents.swe import SWEInstance
+from prorl_server.datasets.swe import TASKS_DIR, load_task
+from prorl_server.sandbox.podman import PodmanProvider
+from prorl_server.verifiers.swe import SWEVerdict, judge
+from tests.conftest import small_spec
+from tests.unit.test_swebench_semantics import Official, official, spec_of
+
+pytestmark = pytest.mark.podman
+__all__ = ["official"]  # the fixture, imported for these tests
+
+
+@pytest.fixture
+def swebench(request: pytest.FixtureRequest) -> Official | None:
+    """swebench's own grading when installed (pip install --no-deps swebench==5.0.2 unidiff);
+    without it the comparison with swebench is skipped and everything else still runs."""
+    try:
+        found: Official = request.getfixturevalue("official")
+    except pytest.skip.Exception:
+        return None
+    return found
+
+
+DJANGO = load_task(TASKS_DIR / "django__django-5.0.14")
+SYMPY = load_task(TASKS_DIR / "sympy__sympy-1.13.3")
+
+
+def diff(path: str, old: str, new: str) -> str:
+    """A patch appending `new` after `old`, the last line of `path` (git apply reads it)."""
+    lines = new.splitlines()
+    return (
+        f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n"
+        f"@@ -{LAST_LINE[path]} +{LAST_LINE[path]},{1 + len(lines)} @@\n {old}\n"
+        + "".join(f"+{line}\n" for line in lines)
+    )
+
+
+# The last line of the files the attacks append to (at the tasks' base commits), and its number.
+LAST_LINE: dict[str, int] = {}
+LAST_TEXT: dict[str, str] = {}
+
+
+async def last_line(sandbox: Any, path: str) -> None:
+    result = await sandbox.bash(f"cd /testbed && wc -l < {path} && tail -n 1 {path}", timeout_s=30)
+    count, text = result.output.split("\n", 1)
+    LAST_LINE[path], LAST_TEXT[path] = int(count), text.rstrip("\n")
+
+
+def appended(path: str, code: str) -> str:
+    return diff(path, LAST_TEXT[path], code)
+
+
+async def run_judge(
+    provider: PodmanProvider, instance: dict[str, Any], patch: str | Callable[[], str], *prepare: str
+) -> SWEVerdict:
+    """Judge `patch` (or what `patch()` makes once the last lines of `prepare` are known)."""
+    model = SWEInstance.model_validate(instance)
+    sandbox = await provider.create(small_spec(instance["image"], cpus=1.0, memory_mib=1024, pids_limit=256))
+    try:
+        for path in prepare:
+            await last_line(sandbox, path)
+        return await judge(
+            sandbox,
+            repo_dir="/testbed",
+            base_commit=model.base_commit,
+            patch=patch() if callable(patch) else patch,
+            test_patch=model.test_patch,
+            fail_to_pass=model.FAIL_TO_PASS,
+            pass_to_pass=model.PASS_TO_PASS,
+            pythonpath="",
+            timeout_s=float(model.eval_timeout_s),
+            evaluation=model.evaluation(),
+        )
+    finally:
+        await sandbox.close()
+
+
+def assert_graded_as_swebench(
+    official: Official | None, instance: dict[str, Any], verdict: SWEVerdict, tmp: Path
+) -> None:
+    """The verdict's per-test outcomes and resolution are swebench's own on the same log."""
+    if official is None:
+        return
+    parser = "parse_log_django" if instance["repo"] == "django/django" else "parse_log_sympy"
+    f2p, p2p = instance["FAIL_TO_PASS"], instance["PASS_TO_PASS"]
+    path = tmp / "test_output.txt"
+    path.write_text(verdict.test_log)
+    status_map, found = official.grading.get_logs_eval(spec_of(official, parser, f2p, p2p), str(path))
+    assert found
+    report = official.grading.get_eval_tests_report(status_map, {"FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p})
+    resolved = official.grading.get_resolution_status(report) == "RESOLVED_FULL"
+    assert verdict.resolved == resolved
+    for kind, ours in (("FAIL_TO_PASS", verdict.fail_to_pass), ("PASS_TO_PASS", verdict.pass_to_pass)):
+        passing = {test for test, status in ours.items() if status in ("PASSED", "XFAIL")}
+        assert passing == set(report[kind]["success"]), kind
+        assert set(ours) - passing == set(report[kind]["failure"]), kind
+
+
+# --- Django -------------------------------------------------------------------------------
+
+FORGE_OK = """
+import sys as _sys
+for _name in {names!r}:
+    print(_name + " ... ok", flush=True)
+print("-" * 70 + "\\nRan {count} tests in 0.001s\\n\\nOK", flush=True)
+{ending}
+"""
+MONKEYPATCH_UNITTEST = """
+import unittest.result as _result
+
+def _count_as_success(self, test, *args):
+    return _result.TestResult.addSuccess(self, test)
+
+_result.TestResult.addFailure = _count_as_success
+_result.TestResult.addError = _count_as_success
+import unittest.runner as _runner
+_runner.TextTestResult.addFailure = lambda self, test, err: _runner.TextTestResult.addSuccess(self, test)
+_runner.TextTestResult.addError = lambda self, test, err: _runner.TextTestResult.addSuccess(self, test)
+"""
+FAKE_RUNTESTS = """
+for _name in {names!r}:
+    print(_name + " ... ok")
+raise SystemExit(0)
+"""
+# What lets Django's test module import without fixing the bug: the constant, and no check.
+CONSTANT_ONLY = "MAX_URL_LENGTH = 2048"
+
+
+async def test_django_gold_resolves_empty_does_not_graded_as_swebench(
+    provider: PodmanProvider, swebench: Official | None, tmp_path: Path
+) -> None:
+    gold = await run_judge(provider, DJANGO, DJANGO["patch"])
+    assert gold.verdict == "resolved", gold
+    assert set(gold.fail_to_pass.values()) == {"PASSED"} and len(gold.fail_to_pass) == 46
+    assert "Ran 46 tests" in gold.test_log
+    assert_graded_as_swebench(swebench, DJANGO, gold, tmp_path)
+
+    empty = await run_judge(provider, DJANGO, "")
+    assert empty.verdict == "unresolved" and not empty.anomalies, empty
+    assert set(empty.fail_to_pass.values()) == {"MISSING"}  # the test module does not import
+    assert_graded_as_swebench(swebench, DJANGO, empty, tmp_path)
+
+    constant = await run_judge(provider, DJANGO, lambda: appended("django/utils/http.py", CONSTANT_ONLY),
+                               "django/utils/http.py")  # fmt: skip
+    assert constant.verdict == "unresolved" and not constant.anomalies, constant
+    failing = [test for test, status in constant.fail_to_pass.items() if status != "PASSED"]
+    assert failing == [test for test in DJANGO["FAIL_TO_PASS"] if test.startswith("test_max_url_length ")]
+    # Its subtests fail: Django prints `FAIL: test_max_url_length (...) (url=...)`, which SWE-bench's
+    # parser files under `test_max_url_length`, so the selected name is absent from the log, as in swebench.
+    assert constant.fail_to_pass[failing[0]] == "MISSING"
+    assert_graded_as_swebench(swebench, DJANGO, constant, tmp_path)
+
+
+@pytest.mark.parametrize("ending", ["", "import os; os._exit(0)", "raise SystemExit(0)"])
+async def test_django_printed_ok_lines_score_zero(provider: PodmanProvider, ending: str) -> None:
+    names = DJANGO["FAIL_TO_PASS"]
+    code = FORGE_OK.format(names=names, count=len(names), ending=ending)
+    verdict = await run_judge(provider, DJANGO, lambda: appended("django/utils/http.py", code), "django/utils/http.py")
+    assert not verdict.resolved
+    assert verdict.verdict == ("no_verdict" if "_exit" in ending else "tampered"), verdict
+    assert " ... ok" in verdict.test_log  # the forged lines were printed, and not believed
+
+
+async def test_django_edited_runtests_is_restored(provider: PodmanProvider) -> None:
+    code = FAKE_RUNTESTS.format(names=DJANGO["FAIL_TO_PASS"])
+    runtests = lambda: appended("tests/runtests.py", code)  # noqa: E731
+    verdict = await run_judge(provider, DJANGO, runtests, "tests/runtests.py")
+    assert verdict.verdict == "unresolved" and not verdict.resolved, verdict
+    assert verdict.reverted["restored"] == ["tests/runtests.py"]
+    settings = lambda: appended("tests/test_sqlite.py", code)  # noqa: E731
+    verdict = await run_judge(provider, DJANGO, settings, "tests/test_sqlite.py")
+    assert verdict.verdict == "unresolved" and verdict.reverted["restored"] == ["tests/test_sqlite.py"]
+
+
+async def test_django_monkeypatched_unittest_is_tampering(provider: PodmanProvider) -> None:
+    patch = lambda: appended("django/utils/http.py", CONSTANT_ONLY + "\n" + MONKEYPATCH_UNITTEST)  # noqa: E731
+    verdict = await run_judge(provider, DJANGO, patch, "django/utils/http.py")
+    assert verdict.verdict == "tampered" and not verdict.resolved, verdict
+    assert any("reporting code changed" in anomaly for anomaly in verdict.anomalies)
+
+
+# --- SymPy --------------------------------------------------------------------------------
+
+MONKEYPATCH_REPORTER = """
+import sympy.testing.runtests as _runtests
+
+def _as_pass(self, *args, **kwargs):
+    self._passed += 1
+    self.write("ok", "Green")
+
+_runtests.PyTestReporter.test_fail = _as_pass
+_runtests.PyTestReporter.test_exception = _as_pass
+"""
+# The log says `test_creation ok` where the reporter wrote F: stdout rewritten as it is written.
+FORGE_SYMPY = """
+import sys as _sys
+
+
+class _Rewriting:
+    def __init__(self, out):
+        self._out, self._last = out, ""
+
+    def write(self, text):
+        if self._last.strip() == "test_creation" and text.strip() == "F":
+            text = text.replace("F", "ok")
+        if text.strip():
+            self._last = text
+        return self._out.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._out, name)
+
+
+_sys.stdout = _Rewriting(_sys.stdout)
+"""
+PRINT_AND_EXIT = """
+print("test_creation ok", flush=True)
+{ending}
+"""
+FAKE_BIN_TEST = """
+print("test_creation ok")
+raise SystemExit(0)
+"""
+
+
+async def test_sympy_gold_resolves_graded_as_swebench(
+    provider: PodmanProvider, swebench: Official | None, tmp_path: Path
+) -> None:
+    gold = await run_judge(provider, SYMPY, SYMPY["patch"])
+    assert gold.verdict == "resolved", gold
+    assert gold.fail_to_pass == {"test_creation": "PASSED"}
+    assert_graded_as_swebench(swebench, SYMPY, gold, tmp_path)
+
+
+async def test_sympy_edited_bin_test_is_restored_and_forged_lines_are_tampering(
+    provider: PodmanProvider, swebench: Official | None, tmp_path: Path
+) -> None:
+    """No fix; bin/test edited to print a pass and exit 0 (restored), and the package
+    rewriting its stdout so that the log says `test_creation ok` (the reporter says F)."""
+
+    def patch() -> str:
+        return appended("bin/test", FAKE_BIN_TEST) + appended("sympy/__init__.py", FORGE_SYMPY)
+
+    verdict = await run_judge(provider, SYMPY, patch, "bin/test", "sympy/__init__.py")
+    assert verdict.reverted["restored"] == ["bin/test"]
+    assert verdict.verdict == "tampered" and not verdict.resolved, verdict
+    assert any("test_creation" in anomaly for anomaly in verdict.anomalies)
+    assert verdict.fail_to_pass == {"test_creation": "FAILED"}
+
+
+async def test_sympy_monkeypatched_reporter_is_tampering(provider: PodmanProvider) -> None:
+    patch = lambda: appended("sympy/__init__.py", MONKEYPATCH_REPORTER)  # noqa: E731
+    verdict = await run_judge(provider, SYMPY, patch, "sympy/__init__.py")
+    assert verdict.verdict == "tampered" and not verdict.resolved, verdict
+    assert any("reporting code changed" in anomaly for anomaly in verdict.anomalies)
+
+
+@pytest.mark.parametrize("ending", ["import os; os._exit(0)", "raise SystemExit(0)"])
+async def test_sympy_printed_ok_and_exit_zero_scores_zero(provider: PodmanProvider, ending: str) -> None:
+    code = PRINT_AND_EXIT.format(ending=ending)
+    verdict = await run_judge(provider, SYMPY, lambda: appended("sympy/__init__.py", code), "sympy/__init__.py")
+    assert not verdict.resolved and "test_creation ok" in verdict.test_log
+    assert verdict.verdict == ("no_verdict" if "_exit" in ending else "tampered"), verdict
