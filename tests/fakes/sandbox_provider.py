@@ -305,7 +305,11 @@ class FakeSandboxProvider(SandboxProvider):
         if not self._started:
             raise SandboxError("sandbox provider not started")
         if self._images is not None and spec.image not in self._images:
-            raise SandboxError(f"sandbox image {spec.image!r} is not built: run `make images`", reason="sandbox_image")
+            raise SandboxError(
+                f"sandbox image {spec.image!r} is not on this node: `make images` builds the project's own, "
+                "others are pulled beforehand (docs/handlers.md)",
+                reason="sandbox_image",
+            )
         setup = self._images.get(spec.image) if self._images is not None else None
         self.created.append(spec)
         name = f"prorl-{self.instance_id}-{secrets.token_hex(6)}"

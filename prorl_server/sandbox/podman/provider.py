@@ -185,7 +185,9 @@ class PodmanProvider(SandboxProvider):
             message = str(exc)
             if "image not known" in message or "no such image" in message.lower():
                 raise SandboxError(
-                    f"sandbox image {spec.image!r} is not built: run `make images`", reason="sandbox_image"
+                    f"sandbox image {spec.image!r} is not on this node: `make images` builds the project's own, "
+                    "others are pulled beforehand (docs/handlers.md)",
+                    reason="sandbox_image",
                 ) from exc
             raise SandboxError(f"could not start a sandbox from {spec.image!r}: {message}") from exc
 
