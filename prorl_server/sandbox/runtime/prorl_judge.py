@@ -919,29 +919,10 @@ def _judge_swe(spec, workdir):
     return verdict
 
 
-def run_pytest(repo, spec, tests):
-    """Run the selected tests in a runner child; its reporter's frames are the outcome."""
-    timeout = float(spec["timeout_s"])
-    paths = [os.path.join(repo, entry) for entry in str(spec.get("pythonpath") or "").split(":") if entry]
-    report_r, report_w = os.pipe()
-    argv = [sys.executable, "-I", "-B", "-u", os.path.abspath(__file__), "pytest", "--report-fd", str(report_w)]
-    for path in paths:
-        argv += ["--path", path]
-    env = clean_env()
-    if paths:
-        env["PYTHONPATH"] = ":".join(paths)  # for the processes the tests start
-    started = time.monotonic()
-    key = os.urandom(16).hex()
-    process = subprocess.Popen(
-        argv + ["--"] + tests, pass_fds=(report_w,), stdin=subprocess.PIPE, cwd=repo, env=env,
-        preexec_fn=os.setpgrp,
-    )  # fmt: skip
-    os.close(report_w)
-    try:
-        process.stdin.write(key.encode() + b"\n")
-        process.stdin.close()
-    except OSError:
-        pass
+def collect_reports(process, report_r, started, timeout):
+    """Read the runner child's report frames until it ends (or `timeout` runs out, or the
+    stream breaks: then its process group is killed), then what it and any process its
+    tests left behind wrote last. Returns (frames, problem, timed out, exit code); closes report_r."""
     reader = FrameReader(report_r)
     frames, problem, timed_out = [], None, False
     deadline = started + timeout
@@ -982,6 +963,33 @@ def run_pytest(repo, spec, tests):
     except ProtocolError as exc:
         problem = problem or "the report stream broke: %s" % exc
     os.close(report_r)
+    return frames, problem, timed_out, code
+
+
+def run_pytest(repo, spec, tests):
+    """Run the selected tests in a runner child; its reporter's frames are the outcome."""
+    timeout = float(spec["timeout_s"])
+    paths = [os.path.join(repo, entry) for entry in str(spec.get("pythonpath") or "").split(":") if entry]
+    report_r, report_w = os.pipe()
+    argv = [sys.executable, "-I", "-B", "-u", os.path.abspath(__file__), "pytest", "--report-fd", str(report_w)]
+    for path in paths:
+        argv += ["--path", path]
+    env = clean_env()
+    if paths:
+        env["PYTHONPATH"] = ":".join(paths)  # for the processes the tests start
+    started = time.monotonic()
+    key = os.urandom(16).hex()
+    process = subprocess.Popen(
+        argv + ["--"] + tests, pass_fds=(report_w,), stdin=subprocess.PIPE, cwd=repo, env=env,
+        preexec_fn=os.setpgrp,
+    )  # fmt: skip
+    os.close(report_w)
+    try:
+        process.stdin.write(key.encode() + b"\n")
+        process.stdin.close()
+    except OSError:
+        pass
+    frames, problem, timed_out, code = collect_reports(process, report_r, started, timeout)
     outcome = aggregate_reports(frames, tests, key)
     if problem:
         outcome["anomalies"].append(problem)
@@ -1306,44 +1314,7 @@ def run_runner(repo, spec, workdir):
         process.stdin.close()
     except OSError:
         pass
-    reader = FrameReader(report_r)
-    frames, problem, timed_out = [], None, False
-    deadline = started + timeout
-    while True:
-        try:
-            frame = reader.read(min(deadline, time.monotonic() + 0.2))
-        except Timeout:
-            if process.poll() is not None:
-                break
-            if time.monotonic() >= deadline:
-                timed_out = True
-                break
-            continue
-        except ProtocolError as exc:
-            problem = "the report stream broke: %s" % exc
-            break
-        if frame is None:
-            break
-        frames.append(frame)
-    if timed_out or problem:
-        kill_group(process)
-    try:
-        code = process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        kill_group(process)
-        code = process.wait()
-    reader.drain(0.5, 2.0)
-    kill_descendants()
-    reader.drain(0.5, 2.0)
-    try:
-        while True:
-            frame = reader.pop()
-            if frame is None:
-                break
-            frames.append(frame)
-    except ProtocolError as exc:
-        problem = problem or "the report stream broke: %s" % exc
-    os.close(report_r)
+    frames, problem, timed_out, code = collect_reports(process, report_r, started, timeout)
     with open(log_path, "rb") as handle:
         raw = handle.read(LOG_CAP + 1)
     outcome = aggregate_results(frames, key)
