@@ -36,6 +36,7 @@ from prorl_server.config import ConfigError, Settings
 from prorl_server.gateway.aiohttp_adapter import GatewayServer
 from prorl_server.gateway.directory import GatewayDirectory
 from prorl_server.jobs.event_writer import FLUSH_INTERVAL_S
+from prorl_server.jobs.feed import Feed
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.phases import PhaseGate, phase_gates
 from prorl_server.jobs.pipeline import Pipeline
@@ -94,6 +95,7 @@ class ProrlServer:
         self.manager: JobManager | None = None
         self.metrics = Metrics()
         self._store: JobStore | None = None
+        self._feed: Feed | None = None
         self._notifications: Notifications | None = None
         self._coordinator: ClusterCoordinator | None = None
         self.jobs: JobService | None = None
@@ -161,6 +163,8 @@ class ProrlServer:
             flush_interval_s=CLUSTER_FLUSH_INTERVAL_S if cluster else FLUSH_INTERVAL_S,
         )
         await self.manager.restore()
+        self._feed = Feed(self._store, settings.subscribe)
+        await self._feed.start()
         if settings.server.metrics_port is not None:
             self.metrics.watch(self.stats)
             await self.metrics.serve(settings.server.host, settings.server.metrics_port)
@@ -320,7 +324,7 @@ class ProrlServer:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ],
         )
-        v1.add_RolloutServiceServicer_to_server(RolloutServicer(self.jobs), server)
+        v1.add_RolloutServiceServicer_to_server(RolloutServicer(self.jobs, self._feed), server)
         cluster = isinstance(self._store, ClusterStore)
         v1.add_AdminServiceServicer_to_server(
             AdminServicer(
@@ -387,6 +391,8 @@ class ProrlServer:
             await self._gateway_server.close()
         if self._notifications is not None:
             await self._notifications.close()
+        if self._feed is not None:
+            await self._feed.close()
         if self._store is not None:
             await self._store.close()
         if self._sandboxes is not None:

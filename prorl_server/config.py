@@ -267,10 +267,26 @@ class LLMSettings(_Section):
     default_temperature: float = Field(1.0, ge=0)
 
 
+class SubscribeSettings(_Section):
+    """The event feed that Subscribe follows (kept in the job store)."""
+
+    retain_s: float = Field(7 * 24 * 3600.0, gt=0)
+    """How long the feed keeps an event; a cursor older than that gets OUT_OF_RANGE."""
+    max_lag_events: int = Field(10_000, ge=1)
+    """How much ground a subscriber may lose: when the feed's head has moved this many
+    events further ahead of it than it ever was, its stream ends with RESOURCE_EXHAUSTED
+    and the cursor to resume from."""
+    poll_interval_s: float = Field(0.25, gt=0)
+    """How often a subscribed server looks for new events in the store."""
+    page_size: int = Field(256, ge=1, le=10_000)
+    """Events read from the store at once per subscriber (its memory: one page)."""
+
+
 class Settings(_Section):
     server: ServerSettings = ServerSettings()
     phases: PhaseSettings = PhaseSettings()
     jobs: JobSettings = JobSettings()
+    subscribe: SubscribeSettings = SubscribeSettings()
     sandbox: SandboxSettings = SandboxSettings()
     llm: LLMSettings = LLMSettings()
     cluster: ClusterSettings = ClusterSettings()

@@ -11,6 +11,8 @@ one place, so a client never sees a traceback.
       AlreadyExists          id reused for something else  -> ALREADY_EXISTS
       FailedPrecondition     wrong state for the call      -> FAILED_PRECONDITION
       ResourceExhausted      queue or pool full            -> RESOURCE_EXHAUSTED
+        ConsumerTooSlow      a subscriber fell behind the event feed
+      OutOfRange             a feed cursor behind retention -> OUT_OF_RANGE
       Unavailable            shutting down, retry later    -> UNAVAILABLE
       InfrastructureError    a dependency failed during a job (never sent to
         SandboxError         clients as a status: it becomes the job's
@@ -35,11 +37,13 @@ class ProrlError(Exception):
 
     reason = "internal"
 
-    def __init__(self, message: str, *, reason: str | None = None) -> None:
+    def __init__(self, message: str, *, reason: str | None = None, metadata: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         if reason is not None:
             self.reason = reason
+        self.metadata = dict(metadata or {})
+        """Sent to the client as trailing metadata beside the status (e.g. a cursor to resume from)."""
 
 
 class InvalidArgument(ProrlError):
@@ -66,6 +70,14 @@ class FailedPrecondition(ProrlError):
 
 class ResourceExhausted(ProrlError):
     reason = "resource_exhausted"
+
+
+class ConsumerTooSlow(ResourceExhausted):
+    reason = "consumer_too_slow"
+
+
+class OutOfRange(ProrlError):
+    reason = "out_of_range"
 
 
 class Unavailable(ProrlError):

@@ -25,6 +25,7 @@ STATUS_CODES: dict[type[errors.ProrlError], grpc.StatusCode] = {
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.InfrastructureError: grpc.StatusCode.UNAVAILABLE,
 }
@@ -40,7 +41,7 @@ def status_code(exc: errors.ProrlError) -> grpc.StatusCode:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     if isinstance(exc, errors.ProrlError):
-        context.set_trailing_metadata(((REASON_METADATA_KEY, exc.reason),))
+        context.set_trailing_metadata(((REASON_METADATA_KEY, exc.reason), *exc.metadata.items()))
         await context.abort(status_code(exc), exc.message)
     log.exception("rpc_failed", method=method)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")

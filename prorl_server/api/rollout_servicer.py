@@ -10,8 +10,10 @@ import grpc
 
 from prorl_client import v1
 from prorl_server.api.errors import status_code
+from prorl_server.config import SubscribeSettings
 from prorl_server.errors import InvalidArgument, ProrlError
 from prorl_server.jobs import wire
+from prorl_server.jobs.feed import Feed
 from prorl_server.jobs.service import JobService
 
 # Responses buffered per RolloutStream before its watchers wait for the client.
@@ -19,8 +21,9 @@ STREAM_BUFFER = 256
 
 
 class RolloutServicer(v1.RolloutServiceServicer):
-    def __init__(self, jobs: JobService) -> None:
+    def __init__(self, jobs: JobService, feed: Feed | None = None) -> None:
         self._jobs = jobs
+        self._feed = feed
 
     async def Rollout(  # noqa: N802
         self, request: v1.RolloutRequest, context: grpc.aio.ServicerContext
@@ -119,3 +122,10 @@ class RolloutServicer(v1.RolloutServiceServicer):
     ) -> v1.CancelResponse:
         job = await self._jobs.cancel(request.job_id, request.reason)
         return v1.CancelResponse(job=wire.job(job))
+
+    async def Subscribe(  # noqa: N802
+        self, request: v1.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[v1.SubscribeResponse]:
+        feed = self._feed or Feed(None, SubscribeSettings())
+        async for response in feed.subscribe(request.filter, request.after_cursor):
+            yield response

@@ -38,9 +38,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from prorl_client import v1
 from prorl_server.errors import ResourceExhausted
-from prorl_server.jobs.postgres_store import PostgresJobStore
+from prorl_server.jobs.postgres_store import PostgresJobStore, feed, replace_events
 from prorl_server.jobs.record import FINISHED_STATUSES
-from prorl_server.jobs.store import JobNotHeld, StoredJob
+from prorl_server.jobs.store import JobNotHeld, StoredJob, records
 
 log = structlog.get_logger(__name__)
 
@@ -141,14 +141,15 @@ class ClusterStore(PostgresJobStore):
         attempt = self._claims.get(job_id)
         if not events or attempt is None:
             return
-        records = [(job_id, item.seq, item.SerializeToString(), self.server_id, attempt) for item in events]
+        written = records(events)
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.executemany(
                 "INSERT INTO job_events (job_id, seq, event) SELECT $1, $2, $3 WHERE EXISTS "
                 "(SELECT 1 FROM jobs WHERE job_id = $1 AND server_id = $4 AND attempt = $5 AND end_time IS NULL) "
                 "ON CONFLICT (job_id, seq) DO NOTHING",
-                records,
+                [(job_id, seq, data, self.server_id, attempt) for seq, data, *_ in written],
             )
+            await feed(conn, job_id, written, held=(self.server_id, attempt))
             await conn.execute("SELECT pg_notify($1, $2)", EVENTS_CHANNEL, job_id)
 
     async def finished(
@@ -157,7 +158,7 @@ class ClusterStore(PostgresJobStore):
         attempt = self._claims.get(job_id)
         if attempt is None:
             raise JobNotHeld(f"job {job_id!r} is no longer held by server {self.server_id!r}")
-        records = [(job_id, item.seq, item.SerializeToString()) for item in events]
+        written = records(events)
         phase = result.failure.phase if result.HasField("failure") else v1.PHASE_EVAL
         async with self.pool.acquire() as conn, conn.transaction():
             updated = await conn.execute(
@@ -175,9 +176,7 @@ class ClusterStore(PostgresJobStore):
                 self._claims.pop(job_id, None)
                 raise JobNotHeld(f"job {job_id!r} was taken over from server {self.server_id!r}")
             else:
-                await conn.execute("DELETE FROM job_events WHERE job_id = $1", job_id)
-                if records:
-                    await conn.copy_records_to_table("job_events", records=records, columns=("job_id", "seq", "event"))
+                await replace_events(conn, job_id, written)
                 await conn.execute("SELECT pg_notify($1, $2)", EVENTS_CHANNEL, job_id)
         self._claims.pop(job_id, None)
 
@@ -224,7 +223,8 @@ class ClusterStore(PostgresJobStore):
                 )
             inserted = await conn.fetchval(
                 "INSERT INTO jobs (job_id, number, request, fingerprint, status, create_time, attempt, priority, "
-                "group_id, labels) VALUES ($1, nextval('job_numbers'), $2, $3, $4, $5, 1, $6, $7, $8::jsonb) "
+                "group_id, labels, handler) "
+                "VALUES ($1, nextval('job_numbers'), $2, $3, $4, $5, 1, $6, $7, $8::jsonb, $9) "
                 "ON CONFLICT (job_id) DO NOTHING RETURNING number",
                 job_id,
                 request.SerializeToString(),
@@ -234,6 +234,7 @@ class ClusterStore(PostgresJobStore):
                 request.priority,
                 request.group_id,
                 json.dumps(dict(request.labels)),
+                request.handler,
             )
             if inserted is not None:
                 first = event(job_id, 1, queued=v1.JobQueued(queue_position=counts["queued"], attempt=1))
@@ -449,12 +450,9 @@ async def _contiguous_events(conn: Conn, job_id: str) -> int:
 
 
 async def _insert_event(conn: Conn, item: v1.RolloutEvent) -> None:
-    await conn.execute(
-        "INSERT INTO job_events (job_id, seq, event) VALUES ($1, $2, $3)",
-        item.job_id,
-        item.seq,
-        item.SerializeToString(),
-    )
+    written = records([item])
+    await conn.execute("INSERT INTO job_events (job_id, seq, event) VALUES ($1, $2, $3)", item.job_id, *written[0][:2])
+    await feed(conn, item.job_id, written)
 
 
 async def _end(conn: Conn, job_id: str, result: v1.RolloutResult, kept: int) -> None:

@@ -15,6 +15,14 @@ Schema (see MIGRATIONS; times are Unix seconds, as time.time() gives them):
                 so that another server can read a job's events in order or
                 from a given seq: appended while the job runs (`appended`),
                 replaced by the whole log when it ends; deleted with their job.
+    event_feed  the event feed (store.py), migration 3: each event that lands in
+                job_events is copied here in the same transaction (`feed`),
+                keyed by (job_id, attempt, seq) so that a rewrite adds nothing.
+                Its `position` is a BIGSERIAL; every transaction that adds to
+                the feed first takes a transaction-level advisory lock, so
+                positions are committed in order across servers and a reader
+                that sees position p has seen everything before it.
+                feed_meta: the feed's id and the last position trimmed.
     schema_migrations  the migrations applied: version, applied_at, description.
 
 Migrations are ordered SQL steps applied by `open()` in one transaction that
@@ -29,6 +37,7 @@ cluster and use its subclass ClusterStore (prorl_server/cluster/store.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,10 +47,23 @@ from urllib.parse import parse_qsl, urlsplit
 import asyncpg
 
 from prorl_client import v1
-from prorl_server.jobs.store import JobStore, JobStoreError, StoredJob, mask_url
+from prorl_server.jobs.store import (
+    FeedBounds,
+    FeedEntry,
+    FeedPage,
+    JobStore,
+    JobStoreError,
+    Record,
+    StoredJob,
+    mask_url,
+    records,
+)
 
 # pg_advisory_xact_lock key of the schema migrations: "prorljob" in ASCII.
 SCHEMA_LOCK_KEY = 0x70726F726C6A6F62
+# ... and of the writes to the event feed: "prorlfed".
+FEED_LOCK_KEY = 0x70726F726C666564
+DB_NOW = "EXTRACT(EPOCH FROM clock_timestamp())::float8"
 CONNECT_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 10.0
@@ -119,6 +141,35 @@ MIGRATIONS: tuple[Migration, ...] = (
         INSERT INTO cluster_state (id) VALUES (1);
         """,
     ),
+    Migration(
+        3,
+        "the event feed (Subscribe)",
+        """
+        ALTER TABLE jobs ADD COLUMN handler TEXT NOT NULL DEFAULT '';
+        CREATE TABLE event_feed (
+            position BIGSERIAL PRIMARY KEY,
+            job_id TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
+            seq BIGINT NOT NULL,
+            kind TEXT NOT NULL,
+            status INTEGER NOT NULL,
+            handler TEXT NOT NULL,
+            group_id TEXT NOT NULL,
+            labels JSONB NOT NULL,
+            store_time DOUBLE PRECISION NOT NULL,
+            event BYTEA NOT NULL,
+            UNIQUE (job_id, attempt, seq)
+        );
+        CREATE INDEX event_feed_time ON event_feed (store_time);
+        CREATE INDEX event_feed_kind ON event_feed (kind, position);
+        CREATE TABLE feed_meta (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            store_id TEXT NOT NULL,
+            trimmed BIGINT NOT NULL DEFAULT 0
+        );
+        INSERT INTO feed_meta (id, store_id) VALUES (1, md5(random()::text || clock_timestamp()::text));
+        """,
+    ),
 )
 
 SCHEMA_MIGRATIONS = """
@@ -131,12 +182,14 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 
 SUBMITTED = """
 WITH dropped AS (DELETE FROM job_events WHERE job_id = $1)
-INSERT INTO jobs (job_id, number, request, fingerprint, status, create_time, attempt, server_id)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+INSERT INTO jobs (job_id, number, request, fingerprint, status, create_time, attempt, server_id,
+    handler, group_id, labels)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::jsonb)
 ON CONFLICT (job_id) DO UPDATE SET
     number = EXCLUDED.number, request = EXCLUDED.request, fingerprint = EXCLUDED.fingerprint,
     status = EXCLUDED.status, create_time = EXCLUDED.create_time, attempt = EXCLUDED.attempt,
-    server_id = EXCLUDED.server_id, end_time = NULL, result = NULL, lease_expires = NULL
+    server_id = EXCLUDED.server_id, end_time = NULL, result = NULL, lease_expires = NULL,
+    handler = EXCLUDED.handler, group_id = EXCLUDED.group_id, labels = EXCLUDED.labels
 """
 
 # Events of a running job: only for a job that has a row (a job never submitted, or
@@ -146,6 +199,37 @@ INSERT INTO job_events (job_id, seq, event)
 SELECT $1, $2, $3 WHERE EXISTS (SELECT 1 FROM jobs WHERE job_id = $1)
 ON CONFLICT (job_id, seq) DO NOTHING
 """
+
+# The feed copies of events the job's log holds now (a write the job's row refused adds nothing).
+FEED = f"""
+INSERT INTO event_feed (job_id, attempt, seq, kind, status, handler, group_id, labels, store_time, event)
+SELECT j.job_id, j.attempt, r.seq, r.kind, r.status, j.handler, j.group_id, j.labels, {DB_NOW}, r.copy
+FROM jobs j
+CROSS JOIN unnest($2::bigint[], $3::text[], $4::int[], $5::bytea[], $6::bytea[]) AS r(seq, kind, status, copy, event)
+JOIN job_events e ON e.job_id = j.job_id AND e.seq = r.seq AND e.event = r.event
+WHERE j.job_id = $1 AND ($7::text IS NULL OR (j.server_id = $7 AND j.attempt = $8 AND j.end_time IS NULL))
+ORDER BY r.seq
+ON CONFLICT (job_id, attempt, seq) DO NOTHING
+"""
+
+
+async def feed(conn: Any, job_id: str, events: Sequence[Record], *, held: tuple[str, int] | None = None) -> None:
+    """Copy `events` of the job into the event feed, inside the caller's transaction
+    (with `held`, (server id, attempt), only while that server holds that run of the job)."""
+    if not events:
+        return
+    await conn.execute("SELECT pg_advisory_xact_lock($1)", FEED_LOCK_KEY)
+    await conn.execute(
+        FEED,
+        job_id,
+        [seq for seq, *_ in events],
+        [kind for _, _, kind, _, _ in events],
+        [status for *_, status, _ in events],
+        [copy for *_, copy in events],
+        [data for _, data, *_ in events],
+        held[0] if held else None,
+        held[1] if held else None,
+    )
 
 
 class PostgresJobStore(JobStore):
@@ -254,19 +338,23 @@ class PostgresJobStore(JobStore):
             created,
             attempt,
             self.server_id or None,
+            request.handler,
+            request.group_id,
+            json.dumps(dict(request.labels)),
         )
 
     async def appended(self, job_id: str, events: Sequence[v1.RolloutEvent]) -> None:
         if not events:
             return
-        records = [(job_id, event.seq, event.SerializeToString()) for event in events]
+        written = records(events)
         async with self.pool.acquire() as conn, conn.transaction():
-            await conn.executemany(APPENDED, records)
+            await conn.executemany(APPENDED, [(job_id, seq, data) for seq, data, *_ in written])
+            await feed(conn, job_id, written)
 
     async def finished(
         self, job_id: str, status: int, end_time: float, result: v1.RolloutResult, events: list[v1.RolloutEvent]
     ) -> None:
-        records = [(job_id, event.seq, event.SerializeToString()) for event in events]
+        written = records(events)
         async with self.pool.acquire() as conn, conn.transaction():
             updated = await conn.execute(
                 "UPDATE jobs SET status = $2, end_time = $3, result = $4 WHERE job_id = $1",
@@ -277,9 +365,7 @@ class PostgresJobStore(JobStore):
             )
             if updated == "UPDATE 0":  # never submitted (as with SQLite: nothing to record)
                 return
-            await conn.execute("DELETE FROM job_events WHERE job_id = $1", job_id)
-            if records:
-                await conn.copy_records_to_table("job_events", records=records, columns=("job_id", "seq", "event"))
+            await replace_events(conn, job_id, written)
 
     async def load(self, retain_s: float) -> list[StoredJob]:
         async with self.pool.acquire() as conn, conn.transaction():
@@ -292,6 +378,53 @@ class PostgresJobStore(JobStore):
         # Parsing every request, result and event is CPU work: off the event loop.
         return await asyncio.to_thread(_decode, jobs, events)
 
+    # --- the event feed -------------------------------------------------------------------
+
+    async def feed_bounds(self) -> FeedBounds:
+        async with self.pool.acquire() as conn:
+            return await _feed_bounds(conn)
+
+    async def feed_page(self, after: int, limit: int, kinds: Sequence[str] = ()) -> FeedPage:
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            bounds = await _feed_bounds(conn)
+            rows = await conn.fetch(
+                "SELECT position, job_id, attempt, kind, status, handler, group_id, labels, store_time, event "
+                "FROM event_feed WHERE position > $1 AND position <= $2 "
+                "AND (cardinality($3::text[]) = 0 OR kind = ANY($3::text[])) ORDER BY position LIMIT $4",
+                after,
+                bounds.head,
+                list(kinds),
+                limit,
+            )
+        entries = [
+            FeedEntry(
+                position=row["position"],
+                job_id=row["job_id"],
+                attempt=row["attempt"],
+                kind=row["kind"],
+                status=row["status"],
+                handler=row["handler"],
+                group_id=row["group_id"],
+                labels=json.loads(row["labels"]),
+                store_time=row["store_time"],
+                event=row["event"],
+            )
+            for row in rows
+        ]
+        scanned = entries[-1].position if len(entries) == limit else max(after, bounds.head)
+        return FeedPage(entries, scanned, bounds.trimmed)
+
+    async def feed_trim(self, retain_s: float) -> int:
+        async with self.pool.acquire() as conn, conn.transaction():
+            last = await conn.fetchval(
+                f"SELECT max(position) FROM event_feed WHERE store_time < {DB_NOW} - $1", retain_s
+            )
+            if last is None:
+                return 0
+            done = await conn.execute("DELETE FROM event_feed WHERE position <= $1", last)
+            await conn.execute("UPDATE feed_meta SET trimmed = GREATEST(trimmed, $1) WHERE id = 1", last)
+        return int(done.split()[-1])
+
     # --- messages ----------------------------------------------------------------------
 
     def _name(self) -> str:
@@ -303,6 +436,24 @@ class PostgresJobStore(JobStore):
         if password:
             text = text.replace(password, "***")
         return f"{text} ({type(exc).__name__})"
+
+
+async def replace_events(conn: Any, job_id: str, written: Sequence[Record]) -> None:
+    """A finished job's whole log replaces the events appended before (and joins the feed)."""
+    await conn.execute("DELETE FROM job_events WHERE job_id = $1", job_id)
+    if written:
+        await conn.copy_records_to_table(
+            "job_events", records=[(job_id, seq, data) for seq, data, *_ in written], columns=("job_id", "seq", "event")
+        )
+        await feed(conn, job_id, written)
+
+
+async def _feed_bounds(conn: Any) -> FeedBounds:
+    meta = await conn.fetchrow("SELECT store_id, trimmed FROM feed_meta WHERE id = 1")
+    # The sequence's last value counts positions whose transaction is still open: only a
+    # committed row is a head a reader may pass (writes commit in position order).
+    head = await conn.fetchval("SELECT COALESCE(max(position), 0) FROM event_feed")
+    return FeedBounds(meta["store_id"], max(int(head), int(meta["trimmed"])), int(meta["trimmed"]))
 
 
 def _password(url: str) -> str:

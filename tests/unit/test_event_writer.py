@@ -23,7 +23,7 @@ from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.phases import phase_gates
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.sqlite_store import SQLiteJobStore
-from prorl_server.jobs.store import JobStore, StoredJob
+from prorl_server.jobs.store import FeedBounds, FeedPage, JobStore, StoredJob
 from prorl_server.llm.router import BackendRouter
 from prorl_server.sandbox.allocator import SandboxAllocator
 from tests.fakes.sandbox_provider import FakeSandboxProvider
@@ -71,6 +71,15 @@ class RecordingStore(JobStore):
 
     async def load(self, retain_s: float) -> list[StoredJob]:
         return []
+
+    async def feed_bounds(self) -> FeedBounds:  # no feed: the writer never reads it
+        return FeedBounds("recording", 0, 0)
+
+    async def feed_page(self, after: int, limit: int, kinds: Sequence[str] = ()) -> FeedPage:
+        return FeedPage([], after, 0)
+
+    async def feed_trim(self, retain_s: float) -> int:
+        return 0
 
     def written(self, job_id: str) -> list[int]:
         return [seq for kind, job, seqs in self.calls if kind == "appended" and job == job_id for seq in seqs]

@@ -18,7 +18,7 @@ import json
 import random
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 
@@ -31,6 +31,8 @@ LoadBalancing = Literal["round_robin", "pick_first"]
 
 # `follow` waits this long at most between two attempts.
 MAX_BACKOFF_S = 10.0
+# Subscribe streams that `follow_feed` resumes.
+RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 async def _unary(call: Awaitable[T]) -> T:
@@ -41,11 +43,16 @@ async def _unary(call: Awaitable[T]) -> T:
 
 
 async def _stream(call: AsyncIterable[T]) -> AsyncIterator[T]:
+    """The call's messages; leaving early (closing the iterator) cancels the call, so the
+    server stops sending at once rather than when the call is garbage-collected."""
     try:
         async for item in call:
             yield item
     except grpc.aio.AioRpcError as exc:
         raise RpcError.from_grpc(exc) from exc
+    finally:
+        if isinstance(call, grpc.aio.Call):
+            call.cancel()
 
 
 def multi_address_target(addresses: Sequence[str]) -> str:
@@ -240,6 +247,57 @@ class Client:
                 return
             except RpcError as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE or failures >= retries:
+                    raise
+            delay = min(MAX_BACKOFF_S, backoff_s * 2**failures)
+            failures += 1
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+
+    async def subscribe(
+        self,
+        *,
+        after_cursor: str = "",
+        handlers: Sequence[str] = (),
+        group_ids: Sequence[str] = (),
+        labels: Mapping[str, str] | None = None,
+        statuses: Sequence[v1.JobStatus] = (),
+        event_kinds: Sequence[str] = (),
+    ) -> AsyncGenerator[v1.SubscribeResponse, None]:
+        """The events of every job that match the filter, from the service's feed, each with
+        its cursor (a response without an event is a progress mark). after_cursor: "" from
+        now, "oldest" from the oldest kept, or a response's cursor to go on after it."""
+        request = v1.SubscribeRequest(
+            filter=v1.EventFilter(
+                handlers=handlers,
+                group_ids=group_ids,
+                labels=dict(labels or {}),
+                statuses=statuses,
+                event_kinds=event_kinds,
+            ),
+            after_cursor=after_cursor,
+        )
+        async for response in _stream(self._rollouts.Subscribe(request, metadata=self._metadata)):
+            yield response
+
+    async def follow_feed(
+        self, *, after_cursor: str = "", retries: int = 5, backoff_s: float = 0.2, **filter: Any
+    ) -> AsyncIterator[v1.SubscribeResponse]:
+        """Like `subscribe`, but goes on after the stream ends with UNAVAILABLE (its server
+        went away; on a channel over servers sharing a store, another one takes over) or
+        RESOURCE_EXHAUSTED (this consumer fell behind): Subscribe again after the last
+        cursor yielded. So each matching event is yielded once, in order, for as long as
+        the caller reads. OUT_OF_RANGE (events lost to retention) and any other error are
+        raised; `retries` and `backoff_s` as for `follow`."""
+        failures = 0
+        while True:
+            try:
+                async with contextlib.aclosing(self.subscribe(after_cursor=after_cursor, **filter)) as stream:
+                    async for response in stream:
+                        if response.HasField("event"):
+                            failures = 0
+                        after_cursor = response.cursor
+                        yield response
+            except RpcError as exc:
+                if exc.code not in RESUMABLE or failures >= retries:
                     raise
             delay = min(MAX_BACKOFF_S, backoff_s * 2**failures)
             failures += 1

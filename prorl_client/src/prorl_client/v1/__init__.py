@@ -84,6 +84,7 @@ from prorl_client._proto.prorl.v1.rollout_pb2 import (
 from prorl_client._proto.prorl.v1.rollout_service_pb2 import (
     CancelRequest as CancelRequest,
     CancelResponse as CancelResponse,
+    EventFilter as EventFilter,
     GetJobRequest as GetJobRequest,
     GetJobResponse as GetJobResponse,
     ListJobsRequest as ListJobsRequest,
@@ -94,6 +95,8 @@ from prorl_client._proto.prorl.v1.rollout_service_pb2 import (
     RolloutStreamResponse as RolloutStreamResponse,
     SubmitRequest as SubmitRequest,
     SubmitResponse as SubmitResponse,
+    SubscribeRequest as SubscribeRequest,
+    SubscribeResponse as SubscribeResponse,
     WatchRequest as WatchRequest,
     WatchResponse as WatchResponse,
 )
@@ -120,6 +123,7 @@ __all__ = [
     "CancelRequest",
     "CancelResponse",
     "Evaluation",
+    "EventFilter",
     "FAILURE_KIND_INFRASTRUCTURE",
     "FAILURE_KIND_POLICY",
     "FAILURE_KIND_UNSPECIFIED",
@@ -181,6 +185,8 @@ __all__ = [
     "ServerSummary",
     "SubmitRequest",
     "SubmitResponse",
+    "SubscribeRequest",
+    "SubscribeResponse",
     "Timing",
     "TokenChain",
     "ToolCall",

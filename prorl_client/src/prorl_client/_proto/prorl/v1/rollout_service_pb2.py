@@ -23,10 +23,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from prorl_client._proto.prorl.v1 import rollout_pb2 as prorl_dot_v1_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprorl/v1/rollout_service.proto\x12\x08prorl.v1\x1a\x16prorl/v1/rollout.proto\"8\n\x0fRolloutResponse\x12%\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.prorl.v1.RolloutEvent\"A\n\x14RolloutStreamRequest\x12)\n\x07rollout\x18\x01 \x01(\x0b\x32\x18.prorl.v1.RolloutRequest\"w\n\x15RolloutStreamResponse\x12\'\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.prorl.v1.RolloutEventH\x00\x12-\n\x08rejected\x18\x02 \x01(\x0b\x32\x19.prorl.v1.RolloutRejectedH\x00\x42\x06\n\x04kind\"@\n\x0fRolloutRejected\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\":\n\rSubmitRequest\x12)\n\x07rollout\x18\x01 \x01(\x0b\x32\x18.prorl.v1.RolloutRequest\"=\n\x0eSubmitResponse\x12\x1a\n\x03job\x18\x01 \x01(\x0b\x32\r.prorl.v1.Job\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"1\n\x0cWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"6\n\rWatchResponse\x12%\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.prorl.v1.RolloutEvent\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\",\n\x0eGetJobResponse\x12\x1a\n\x03job\x18\x01 \x01(\x0b\x32\r.prorl.v1.Job\"\xd7\x01\n\x0fListJobsRequest\x12%\n\x08statuses\x18\x01 \x03(\x0e\x32\x13.prorl.v1.JobStatus\x12\x35\n\x06labels\x18\x02 \x03(\x0b\x32%.prorl.v1.ListJobsRequest.LabelsEntry\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"H\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.prorl.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"/\n\rCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\x0e\x43\x61ncelResponse\x12\x1a\n\x03job\x18\x01 \x01(\x0b\x32\r.prorl.v1.Job2\xde\x03\n\x0eRolloutService\x12@\n\x07Rollout\x12\x18.prorl.v1.RolloutRequest\x1a\x19.prorl.v1.RolloutResponse0\x01\x12T\n\rRolloutStream\x12\x1e.prorl.v1.RolloutStreamRequest\x1a\x1f.prorl.v1.RolloutStreamResponse(\x01\x30\x01\x12;\n\x06Submit\x12\x17.prorl.v1.SubmitRequest\x1a\x18.prorl.v1.SubmitResponse\x12:\n\x05Watch\x12\x16.prorl.v1.WatchRequest\x1a\x17.prorl.v1.WatchResponse0\x01\x12;\n\x06GetJob\x12\x17.prorl.v1.GetJobRequest\x1a\x18.prorl.v1.GetJobResponse\x12\x41\n\x08ListJobs\x12\x19.prorl.v1.ListJobsRequest\x1a\x1a.prorl.v1.ListJobsResponse\x12;\n\x06\x43\x61ncel\x12\x17.prorl.v1.CancelRequest\x1a\x18.prorl.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprorl/v1/rollout_service.proto\x12\x08prorl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16prorl/v1/rollout.proto\"8\n\x0fRolloutResponse\x12%\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.prorl.v1.RolloutEvent\"A\n\x14RolloutStreamRequest\x12)\n\x07rollout\x18\x01 \x01(\x0b\x32\x18.prorl.v1.RolloutRequest\"w\n\x15RolloutStreamResponse\x12\'\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.prorl.v1.RolloutEventH\x00\x12-\n\x08rejected\x18\x02 \x01(\x0b\x32\x19.prorl.v1.RolloutRejectedH\x00\x42\x06\n\x04kind\"@\n\x0fRolloutRejected\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\":\n\rSubmitRequest\x12)\n\x07rollout\x18\x01 \x01(\x0b\x32\x18.prorl.v1.RolloutRequest\"=\n\x0eSubmitResponse\x12\x1a\n\x03job\x18\x01 \x01(\x0b\x32\r.prorl.v1.Job\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"1\n\x0cWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"6\n\rWatchResponse\x12%\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.prorl.v1.RolloutEvent\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\",\n\x0eGetJobResponse\x12\x1a\n\x03job\x18\x01 \x01(\x0b\x32\r.prorl.v1.Job\"\xd7\x01\n\x0fListJobsRequest\x12%\n\x08statuses\x18\x01 \x03(\x0e\x32\x13.prorl.v1.JobStatus\x12\x35\n\x06labels\x18\x02 \x03(\x0b\x32%.prorl.v1.ListJobsRequest.LabelsEntry\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"H\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.prorl.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"/\n\rCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\x0e\x43\x61ncelResponse\x12\x1a\n\x03job\x18\x01 \x01(\x0b\x32\r.prorl.v1.Job\"O\n\x10SubscribeRequest\x12%\n\x06\x66ilter\x18\x01 \x01(\x0b\x32\x15.prorl.v1.EventFilter\x12\x14\n\x0c\x61\x66ter_cursor\x18\x02 \x01(\t\"\xd0\x01\n\x0b\x45ventFilter\x12\x10\n\x08handlers\x18\x01 \x03(\t\x12\x11\n\tgroup_ids\x18\x02 \x03(\t\x12\x31\n\x06labels\x18\x03 \x03(\x0b\x32!.prorl.v1.EventFilter.LabelsEntry\x12%\n\x08statuses\x18\x04 \x03(\x0e\x32\x13.prorl.v1.JobStatus\x12\x13\n\x0b\x65vent_kinds\x18\x05 \x03(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8b\x01\n\x11SubscribeResponse\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\t\x12%\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x16.prorl.v1.RolloutEvent\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12.\n\nstore_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp2\xa6\x04\n\x0eRolloutService\x12@\n\x07Rollout\x12\x18.prorl.v1.RolloutRequest\x1a\x19.prorl.v1.RolloutResponse0\x01\x12T\n\rRolloutStream\x12\x1e.prorl.v1.RolloutStreamRequest\x1a\x1f.prorl.v1.RolloutStreamResponse(\x01\x30\x01\x12;\n\x06Submit\x12\x17.prorl.v1.SubmitRequest\x1a\x18.prorl.v1.SubmitResponse\x12:\n\x05Watch\x12\x16.prorl.v1.WatchRequest\x1a\x17.prorl.v1.WatchResponse0\x01\x12;\n\x06GetJob\x12\x17.prorl.v1.GetJobRequest\x1a\x18.prorl.v1.GetJobResponse\x12\x41\n\x08ListJobs\x12\x19.prorl.v1.ListJobsRequest\x1a\x1a.prorl.v1.ListJobsResponse\x12;\n\x06\x43\x61ncel\x12\x17.prorl.v1.CancelRequest\x1a\x18.prorl.v1.CancelResponse\x12\x46\n\tSubscribe\x12\x1a.prorl.v1.SubscribeRequest\x1a\x1b.prorl.v1.SubscribeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,36 +36,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LISTJOBSREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_LISTJOBSREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLLOUTRESPONSE']._serialized_start=68
-  _globals['_ROLLOUTRESPONSE']._serialized_end=124
-  _globals['_ROLLOUTSTREAMREQUEST']._serialized_start=126
-  _globals['_ROLLOUTSTREAMREQUEST']._serialized_end=191
-  _globals['_ROLLOUTSTREAMRESPONSE']._serialized_start=193
-  _globals['_ROLLOUTSTREAMRESPONSE']._serialized_end=312
-  _globals['_ROLLOUTREJECTED']._serialized_start=314
-  _globals['_ROLLOUTREJECTED']._serialized_end=378
-  _globals['_SUBMITREQUEST']._serialized_start=380
-  _globals['_SUBMITREQUEST']._serialized_end=438
-  _globals['_SUBMITRESPONSE']._serialized_start=440
-  _globals['_SUBMITRESPONSE']._serialized_end=501
-  _globals['_WATCHREQUEST']._serialized_start=503
-  _globals['_WATCHREQUEST']._serialized_end=552
-  _globals['_WATCHRESPONSE']._serialized_start=554
-  _globals['_WATCHRESPONSE']._serialized_end=608
-  _globals['_GETJOBREQUEST']._serialized_start=610
-  _globals['_GETJOBREQUEST']._serialized_end=641
-  _globals['_GETJOBRESPONSE']._serialized_start=643
-  _globals['_GETJOBRESPONSE']._serialized_end=687
-  _globals['_LISTJOBSREQUEST']._serialized_start=690
-  _globals['_LISTJOBSREQUEST']._serialized_end=905
-  _globals['_LISTJOBSREQUEST_LABELSENTRY']._serialized_start=860
-  _globals['_LISTJOBSREQUEST_LABELSENTRY']._serialized_end=905
-  _globals['_LISTJOBSRESPONSE']._serialized_start=907
-  _globals['_LISTJOBSRESPONSE']._serialized_end=979
-  _globals['_CANCELREQUEST']._serialized_start=981
-  _globals['_CANCELREQUEST']._serialized_end=1028
-  _globals['_CANCELRESPONSE']._serialized_start=1030
-  _globals['_CANCELRESPONSE']._serialized_end=1074
-  _globals['_ROLLOUTSERVICE']._serialized_start=1077
-  _globals['_ROLLOUTSERVICE']._serialized_end=1555
+  _globals['_EVENTFILTER_LABELSENTRY']._loaded_options = None
+  _globals['_EVENTFILTER_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_ROLLOUTRESPONSE']._serialized_start=101
+  _globals['_ROLLOUTRESPONSE']._serialized_end=157
+  _globals['_ROLLOUTSTREAMREQUEST']._serialized_start=159
+  _globals['_ROLLOUTSTREAMREQUEST']._serialized_end=224
+  _globals['_ROLLOUTSTREAMRESPONSE']._serialized_start=226
+  _globals['_ROLLOUTSTREAMRESPONSE']._serialized_end=345
+  _globals['_ROLLOUTREJECTED']._serialized_start=347
+  _globals['_ROLLOUTREJECTED']._serialized_end=411
+  _globals['_SUBMITREQUEST']._serialized_start=413
+  _globals['_SUBMITREQUEST']._serialized_end=471
+  _globals['_SUBMITRESPONSE']._serialized_start=473
+  _globals['_SUBMITRESPONSE']._serialized_end=534
+  _globals['_WATCHREQUEST']._serialized_start=536
+  _globals['_WATCHREQUEST']._serialized_end=585
+  _globals['_WATCHRESPONSE']._serialized_start=587
+  _globals['_WATCHRESPONSE']._serialized_end=641
+  _globals['_GETJOBREQUEST']._serialized_start=643
+  _globals['_GETJOBREQUEST']._serialized_end=674
+  _globals['_GETJOBRESPONSE']._serialized_start=676
+  _globals['_GETJOBRESPONSE']._serialized_end=720
+  _globals['_LISTJOBSREQUEST']._serialized_start=723
+  _globals['_LISTJOBSREQUEST']._serialized_end=938
+  _globals['_LISTJOBSREQUEST_LABELSENTRY']._serialized_start=893
+  _globals['_LISTJOBSREQUEST_LABELSENTRY']._serialized_end=938
+  _globals['_LISTJOBSRESPONSE']._serialized_start=940
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1012
+  _globals['_CANCELREQUEST']._serialized_start=1014
+  _globals['_CANCELREQUEST']._serialized_end=1061
+  _globals['_CANCELRESPONSE']._serialized_start=1063
+  _globals['_CANCELRESPONSE']._serialized_end=1107
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1109
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1188
+  _globals['_EVENTFILTER']._serialized_start=1191
+  _globals['_EVENTFILTER']._serialized_end=1399
+  _globals['_EVENTFILTER_LABELSENTRY']._serialized_start=893
+  _globals['_EVENTFILTER_LABELSENTRY']._serialized_end=938
+  _globals['_SUBSCRIBERESPONSE']._serialized_start=1402
+  _globals['_SUBSCRIBERESPONSE']._serialized_end=1541
+  _globals['_ROLLOUTSERVICE']._serialized_start=1544
+  _globals['_ROLLOUTSERVICE']._serialized_end=2094
 # @@protoc_insertion_point(module_scope)

@@ -79,6 +79,11 @@ class RolloutServiceStub:
                 request_serializer=prorl_dot_v1_dot_rollout__service__pb2.CancelRequest.SerializeToString,
                 response_deserializer=prorl_dot_v1_dot_rollout__service__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/prorl.v1.RolloutService/Subscribe',
+                request_serializer=prorl_dot_v1_dot_rollout__service__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=prorl_dot_v1_dot_rollout__service__pb2.SubscribeResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -147,6 +152,20 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Subscribe(self, request, context):
+        """Follows the events of every job that match a filter, from the service's
+        durable feed: each event once, in the order the store received it, each
+        with a cursor to resume after (on this server after a restart, or on any
+        server sharing its store). A consumer that falls behind the feed by more
+        than the server allows (setting subscribe.max_lag_events) gets
+        RESOURCE_EXHAUSTED; events deleted by retention, OUT_OF_RANGE; a server
+        without a job store, FAILED_PRECONDITION. Either error's trailing
+        metadata `prorl-resume-cursor` is the cursor of the last event sent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -184,6 +203,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=prorl_dot_v1_dot_rollout__service__pb2.CancelRequest.FromString,
                     response_serializer=prorl_dot_v1_dot_rollout__service__pb2.CancelResponse.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=prorl_dot_v1_dot_rollout__service__pb2.SubscribeRequest.FromString,
+                    response_serializer=prorl_dot_v1_dot_rollout__service__pb2.SubscribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -383,6 +407,33 @@ class RolloutService:
             '/prorl.v1.RolloutService/Cancel',
             prorl_dot_v1_dot_rollout__service__pb2.CancelRequest.SerializeToString,
             prorl_dot_v1_dot_rollout__service__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/prorl.v1.RolloutService/Subscribe',
+            prorl_dot_v1_dot_rollout__service__pb2.SubscribeRequest.SerializeToString,
+            prorl_dot_v1_dot_rollout__service__pb2.SubscribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,270 @@
+"""Subscribe (the event feed) through a real server on a real port and the real client, with
+a SQLite job store; no Podman, no model (a fake sandbox provider and a scripted LLM backend):
+filters, cursors that resume exactly after an event (also after a server restart), progress
+marks, the errors a consumer can get (bad filter or cursor, a cursor behind retention, no
+store, falling behind) and what the feed leaves out (gateway API keys)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from prorl_client import Client, RpcError, v1
+from prorl_server.app import ProrlServer
+from prorl_server.config import load_settings
+from prorl_server.jobs.feed import OLDEST, decode_cursor
+from prorl_server.jobs.sqlite_store import SQLiteJobStore
+from prorl_server.jobs.store import feed_copy
+from tests.conftest import instance_id
+from tests.fakes.sandbox_provider import FakeSandboxProvider
+from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text
+from tests.helpers import assert_eventually, math_request
+
+
+def answer(messages: list[dict[str, Any]]) -> ScriptedReply:
+    """Right for questions ending in "even", wrong otherwise: both statuses and rewards occur."""
+    question = str(messages[-1]["content"])
+    return ScriptedReply(tool_call_text("finish", {"answer": "42" if "even" in question else "7"}))
+
+
+class Served:
+    """A server over a SQLite store at `path` (kept across restarts)."""
+
+    def __init__(self, path: Path, **subscribe: Any) -> None:
+        self.path = path
+        self.subscribe = subscribe
+        self.provider = FakeSandboxProvider(instance_id=instance_id("fake"))
+        self.server: ProrlServer | None = None
+        self.client = Client.connect("")
+
+    async def start(self, *, store: bool = True) -> None:
+        settings = load_settings(
+            None,
+            environ={},
+            overrides={
+                "server": {"port": 0, "instance_id": "feed-test", "shutdown_grace_s": 0},
+                "jobs": {"store": store, "store_path": str(self.path)},
+                "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
+                "subscribe": {"poll_interval_s": 0.05, **self.subscribe},
+            },
+        )
+        self.server = ProrlServer(
+            settings, sandbox_provider=self.provider, backends=[ScriptedChatBackend(answer, backend_id="s")]
+        )
+        await self.server.start()
+        await self.client.close()
+        self.client = Client.connect(self.server.address)
+
+    async def stop(self) -> None:
+        await self.client.close()
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None
+
+    async def run(self, count: int, *, prefix: str, **fields: Any) -> list[v1.RolloutResult]:
+        async def one(index: int) -> v1.RolloutResult:
+            question = f"Q{index} {'even' if index % 2 == 0 else 'odd'}"
+            request = math_request(question, "42", job_id=f"{prefix}-{index}", **fields)
+            events = [event async for event in self.client.rollout(request)]
+            return events[-1].finished.result
+
+        return list(await asyncio.gather(*(one(index) for index in range(count))))
+
+
+@pytest_asyncio.fixture
+async def served(tmp_path: Path) -> AsyncIterator[Served]:
+    served = Served(tmp_path / "jobs.sqlite")
+    await served.start()
+    yield served
+    await served.stop()
+    assert served.provider.busy == 0
+
+
+async def collect(stream: AsyncIterator[v1.SubscribeResponse], until: Any, timeout_s: float = 30) -> list[Any]:
+    """Responses of `stream` until `until(responses)` holds."""
+    seen: list[v1.SubscribeResponse] = []
+
+    async def read() -> None:
+        async for response in stream:
+            seen.append(response)
+            if until(seen):
+                return
+
+    await asyncio.wait_for(read(), timeout_s)
+    return seen
+
+
+def events_of(responses: list[v1.SubscribeResponse]) -> list[v1.RolloutEvent]:
+    return [response.event for response in responses if response.HasField("event")]
+
+
+def finished_count(count: int) -> Any:
+    return lambda seen: sum(response.event.HasField("finished") for response in seen) >= count
+
+
+async def test_a_filtered_stream_gets_every_matching_event_once_in_store_order(served: Served) -> None:
+    client = served.client
+    finished_a = client.subscribe(labels={"run": "a"}, event_kinds=["finished"])
+    everything_g = client.subscribe(group_ids=["g"])
+    first = [await anext(finished_a), await anext(everything_g)]
+    assert all(not response.HasField("event") and response.cursor for response in first)  # where each began
+    reading_a = asyncio.ensure_future(collect(finished_a, finished_count(6)))
+    reading_g = asyncio.ensure_future(collect(everything_g, finished_count(4)))
+    results_a = await served.run(6, prefix="a", labels={"run": "a"})
+    results_g = await served.run(4, prefix="g", group_id="g", labels={"run": "b"})
+    got_a, got_g = await reading_a, await reading_g
+
+    assert {event.job_id for event in events_of(got_a)} == {f"a-{index}" for index in range(6)}
+    assert [event.WhichOneof("kind") for event in events_of(got_a)] == ["finished"] * 6
+    assert sorted(event.finished.result.reward for event in events_of(got_a)) == sorted(
+        result.reward for result in results_a
+    )
+    assert {result.reward for result in results_a} == {0.0, 1.0}
+    # every event of the group's jobs, each once and in each job's order, exactly as Watch replays them
+    for index in range(4):
+        job_id = f"g-{index}"
+        watched = [event async for event in client.watch(job_id)]
+        assert [event for event in events_of(got_g) if event.job_id == job_id] == watched
+    assert {event.job_id for event in events_of(got_g)} == {f"g-{index}" for index in range(4)}
+    assert len(results_g) == 4
+    positions = [decode_cursor(response.cursor)[1] for response in got_g]
+    assert positions == sorted(positions) and len(set(positions)) == len(positions)
+    await finished_a.aclose()
+    await everything_g.aclose()
+
+
+async def test_resuming_after_a_cursor_gives_the_rest_exactly_once(served: Served) -> None:
+    await served.run(5, prefix="r")
+    full = await collect(served.client.subscribe(after_cursor=OLDEST), finished_count(5))
+    everything = events_of(full)
+    for cut in (1, len(full) // 2, len(full) - 2):
+        wanted = len(events_of(full[cut + 1 :]))
+        rest = await collect(
+            served.client.subscribe(after_cursor=full[cut].cursor),
+            lambda seen, wanted=wanted: len(events_of(seen)) >= wanted,
+        )
+        assert events_of(full[: cut + 1]) + events_of(rest) == everything
+    # statuses as of the event: SUCCEEDED gives the finished events of the right answers only
+    succeeded = await collect(
+        served.client.subscribe(after_cursor=OLDEST, statuses=[v1.JOB_STATUS_SUCCEEDED]),
+        lambda seen: len(events_of(seen)) >= 5,
+    )
+    assert {event.WhichOneof("kind") for event in events_of(succeeded)} == {"finished"}
+
+
+async def test_a_cursor_survives_a_server_restart(served: Served) -> None:
+    await served.run(3, prefix="before")
+    seen = await collect(served.client.subscribe(after_cursor=OLDEST, event_kinds=["finished"]), finished_count(3))
+    cursor = seen[-1].cursor
+    await served.stop()
+    await served.start()
+    await served.run(2, prefix="after")
+    rest = await collect(served.client.subscribe(after_cursor=cursor, event_kinds=["finished"]), finished_count(2))
+    assert sorted(event.job_id for event in events_of(rest)) == ["after-0", "after-1"]
+
+
+async def test_progress_marks_let_a_consumer_of_rare_events_save_its_place(served: Served) -> None:
+    stream = served.client.subscribe(handlers=["no-such-handler"])
+    start = await anext(stream)
+    await served.run(2, prefix="p")
+    mark = await asyncio.wait_for(anext(stream), 10)
+    assert not mark.HasField("event")
+    assert decode_cursor(mark.cursor)[1] > decode_cursor(start.cursor)[1]
+    await stream.aclose()
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"event_kinds": ["finish"]}, "unknown kind"),
+        ({"statuses": [v1.JOB_STATUS_UNSPECIFIED]}, "JOB_STATUS_UNSPECIFIED"),
+        ({"after_cursor": "not a cursor"}, "is not a cursor"),
+        ({"after_cursor": "b3RoZXI6Mw"}, "another job store"),  # "other:3"
+    ],
+)
+async def test_bad_filters_and_cursors_are_invalid_argument(
+    served: Served, fields: dict[str, Any], needle: str
+) -> None:
+    with pytest.raises(RpcError) as caught:
+        await anext(served.client.subscribe(**fields))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in caught.value.details
+
+
+async def test_a_cursor_behind_retention_is_out_of_range(served: Served) -> None:
+    await served.run(2, prefix="old")
+    start = await anext(served.client.subscribe(after_cursor=OLDEST))
+    assert served.server is not None
+    store = served.server._store
+    assert isinstance(store, SQLiteJobStore)
+    await asyncio.sleep(0.05)
+    assert await store.feed_trim(0.01) > 0
+    with pytest.raises(RpcError) as caught:
+        await anext(served.client.subscribe(after_cursor=start.cursor))
+    assert caught.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert "retention" in caught.value.details and caught.value.resume_cursor == start.cursor
+    # "oldest" still works: from what is kept
+    assert await anext(served.client.subscribe(after_cursor=OLDEST))
+
+
+async def test_without_a_job_store_subscribe_is_failed_precondition(tmp_path: Path) -> None:
+    served = Served(tmp_path / "unused.sqlite")
+    await served.start(store=False)
+    try:
+        with pytest.raises(RpcError) as caught:
+            await anext(served.client.subscribe())
+        assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "jobs.store" in caught.value.details
+    finally:
+        await served.stop()
+
+
+async def test_a_consumer_that_falls_behind_gets_resource_exhausted_and_a_cursor(tmp_path: Path) -> None:
+    served = Served(tmp_path / "jobs.sqlite", max_lag_events=20, page_size=8)
+    await served.start()
+    try:
+        stream = served.client.subscribe()
+        received = [await anext(stream)]
+        runs = asyncio.ensure_future(served.run(40, prefix="slow"))
+        with pytest.raises(RpcError) as caught:
+            async for response in stream:
+                received.append(response)
+                await asyncio.sleep(0.05)  # a consumer far slower than 40 jobs' events
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_lag_events" in caught.value.details
+        assert caught.value.resume_cursor == received[-1].cursor  # the last it was sent: nothing lost
+        await runs
+        # resuming from it gives the rest (a fast reader now), nothing twice
+        total = await collect(served.client.subscribe(after_cursor=OLDEST), finished_count(40))
+        rest = await collect(
+            served.client.subscribe(after_cursor=caught.value.resume_cursor),
+            lambda seen: len(events_of(received)) + len(events_of(seen)) >= len(events_of(total)),
+        )
+        assert events_of(received) + events_of(rest) == events_of(total)
+    finally:
+        await served.stop()
+
+
+def test_the_feed_copy_of_a_gateway_event_has_no_api_key() -> None:
+    event = v1.RolloutEvent(job_id="j", seq=3, gateway_opened=v1.GatewayOpened(path="/jobs/j", api_key="secret"))
+    seq, kind, status, data = feed_copy(event)
+    copy = v1.RolloutEvent.FromString(data)
+    assert (seq, kind, status) == (3, "gateway_opened", v1.JOB_STATUS_RUNNING)
+    assert copy.gateway_opened.api_key == "" and copy.gateway_opened.path == "/jobs/j"
+    assert event.gateway_opened.api_key == "secret"  # the job's own log keeps it
+
+
+async def test_closing_a_stream_releases_the_poller(served: Served) -> None:
+    stream = served.client.subscribe()
+    await anext(stream)
+    assert served.server is not None and served.server._feed is not None
+    feed = served.server._feed
+    await assert_eventually(lambda: feed._streams == 1)
+    await stream.aclose()
+    await assert_eventually(lambda: feed._streams == 0 and feed._poller is None)
