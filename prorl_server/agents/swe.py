@@ -172,14 +172,14 @@ class SWEInstance(TaskInstance):
         return self
 
     def evaluation(self) -> EvalSpec | None:
-        """The official evaluation, when the judge runs a runner other than pytest for it."""
+        """The official evaluation (its runner, and the log parser SWE-bench grades it with)."""
         if not (self.eval_script or self.version):
             return None
         try:
             spec = spec_for(self.model_dump())
         except UnknownSpec:
             return None
-        return spec if spec.runner in RUNNER_SCRIPTS else None
+        return spec if spec.runner in JUDGED_RUNNERS else None
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ steps in the sandbox, following SWE-bench's harness with the holes closed:
    touches and those holding the selected tests) to the base commit; new ones
    are deleted. What was reverted is listed in the details (`reverted`);
 3. apply the test patch;
-4. run pytest in a child process, with no inherited PYTEST_ADDOPTS,
+4. run `pytest -rA` in a child process, with no inherited PYTEST_ADDOPTS,
    PYTHONSTARTUP or other environment, and a reporter plugin that sends each
-   test's outcome to the harness over a pipe. Test outcomes come from there,
-   never from the printed log (its tail stays in `log_tail` for humans).
+   test's outcome to the harness over a pipe. What the child prints (stdout
+   and stderr) comes back as the test log.
 
 Django's and SymPy's instances (their official runner is not pytest) are run
 with that runner's official command (verifiers/swebench/specs.py) in the
@@ -24,17 +24,26 @@ image's `testbed` environment, activated as SWE-bench's eval script does; the
 runner's files (EvalSpec.infrastructure) and its test folders are restored
 like the test files. Each test's outcome comes from the harness's own hooks
 (unittest's results under Django, SymPy's reporter), named as SWE-bench's
-parser names tests; the printed log is parsed with that parser and
-`grading.cross_check`ed against them: a test passes only if both say so, a log
-line claiming more than the run reported makes the verdict `tampered`, and the
+parser names tests.
+
+Either way the printed log, framed as SWE-bench's eval script frames it
+(`SWEVerdict.test_log`), is parsed with SWE-bench's parser (the official one
+for Django and SymPy; parse_log_pytest for pytest, swebench's default for
+repositories outside its specs and SWE-Gym's and SWE-smith's) and
+`grading.cross_check`ed against the reporter's outcomes: a test passes only if
+both say so, a log line claiming more than the run reported (a `PASSED
+nodeid` printed by the code under test) makes the verdict `tampered`, and the
 selected tests are graded as swebench's get_eval_tests_report and
-get_resolution_status grade them (RESOLVED_FULL resolves).
+get_resolution_status grade them (RESOLVED_FULL resolves; a pytest run, which
+runs the selected tests only, must also exit 0). The log's tail is
+`log_tail`.
 
 Verdicts: resolved, unresolved, patch_does_not_apply, tests_timed_out,
 test_files_not_restorable, tampered (the outcome stream does not add up: a
 test reported twice, pytest's exit status contradicting its reports, pytest's
-reporting code changed during the run), no_verdict (the runner or the harness
-was killed or made to exit before pytest finished). Only `resolved` scores 1.
+reporting code changed during the run, a log line claiming more than the
+reporter), no_verdict (the runner or the harness was killed or made to exit
+before the tests finished). Only `resolved` scores 1.
 The residual risk (code under test tampering with the memory of the process
 it is imported into) and what raises the bar against it are described in
 prorl_judge.py.
@@ -66,6 +75,8 @@ PASSING = frozenset({"PASSED", "XFAIL"})
 GIT_GRACE_S = 90.0
 # Runners the judge runs with their own reporter, and the script each official command starts.
 RUNNER_SCRIPTS = {"django": "tests/runtests.py", "sympy": "bin/test"}
+# SWE-bench's parser for a pytest run: the default for repositories outside its specs, and SWE-Gym's and SWE-smith's.
+PYTEST_LOG_PARSER = "parse_log_pytest"
 _ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _EXPORT = re.compile(r"^export\s+([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 _FILE_HEADER = re.compile(r"^(?:diff --git a/(\S+) b/(\S+)|--- a/(\S+)|\+\+\+ b/(\S+))", re.MULTILINE)
@@ -85,7 +96,8 @@ class SWEVerdict:
     """Files of the model's patch put back as at the base commit ("restored") or removed ("deleted")."""
     anomalies: list[str] = field(default_factory=list)
     test_log: str = ""
-    """The printed log of a Django or SymPy run, as SWE-bench's parser read it (between its markers)."""
+    """The run's printed log as SWE-bench's eval script frames it (markers, exit code line): what the
+    parser read."""
 
     def details(self) -> dict[str, Any]:
         def failing(results: dict[str, str]) -> list[str]:
@@ -213,28 +225,7 @@ async def judge(
     statuses = outcome.get("statuses")
     if stage != "tests" or not ok or not isinstance(statuses, dict):
         return SWEVerdict(False, NO_VERDICT, log_tail=tail, reason="the harness gave a malformed verdict")
-    if command is not None and evaluation is not None:
-        return _graded(outcome, evaluation, list(fail_to_pass), list(pass_to_pass), tail, reverted)
-    f2p = {test: str(statuses.get(test, "MISSING")) for test in fail_to_pass}
-    p2p = {test: str(statuses.get(test, "MISSING")) for test in pass_to_pass}
-    found = SWEVerdict(False, "unresolved", f2p, p2p, tail, reverted=reverted)
-    if outcome.get("timed_out") is True:
-        return replace(found, verdict="tests_timed_out")
-    anomalies = _strings(outcome.get("anomalies"))
-    if outcome.get("complete") is not True:
-        reason = (
-            "the test run ended before pytest finished (the runner was killed or made to exit; "
-            f"exit status {outcome.get('runner_exit')})"
-        )
-        return replace(found, verdict=NO_VERDICT, reason=reason, anomalies=anomalies)
-    if anomalies:
-        return replace(found, verdict="tampered", reason="the test outcomes do not add up", anomalies=anomalies)
-    failing = sum(status not in PASSING for status in [*f2p.values(), *p2p.values()])
-    if failing:
-        return replace(found, reason=f"{failing} of {len(f2p) + len(p2p)} selected tests did not pass")
-    if outcome.get("exitstatus") != 0:
-        return replace(found, reason=f"pytest exited with status {outcome.get('exitstatus')}")
-    return replace(found, resolved=True, verdict="resolved")
+    return _graded(outcome, evaluation, command is None, list(fail_to_pass), list(pass_to_pass), tail, reverted)
 
 
 def official_log(printed: str, exit_code: object) -> str:
@@ -245,17 +236,20 @@ def official_log(printed: str, exit_code: object) -> str:
 
 def _graded(
     outcome: dict[str, Any],
-    evaluation: EvalSpec,
+    evaluation: EvalSpec | None,
+    runs_pytest: bool,
     fail_to_pass: list[str],
     pass_to_pass: list[str],
     tail: str,
     reverted: dict[str, list[str]],
 ) -> SWEVerdict:
-    """A Django or SymPy run: the log through SWE-bench's parser, cross-checked with the reporter."""
+    """A run's printed log through SWE-bench's parser (the official evaluation's when the instance
+    has one, else parse_log_pytest), cross-checked with the reporter's statuses."""
     raw = outcome.get("statuses")
     trusted = {str(name): str(status) for name, status in raw.items()} if isinstance(raw, dict) else {}
-    log = official_log(str(outcome.get("log", "")), outcome.get("exit_code"))
-    logged, valid = grading.statuses_from_log(log, evaluation.log_parser)
+    printed = str(outcome.get("log", ""))
+    log = official_log(printed, outcome.get("exit_code"))
+    logged, valid = grading.statuses_from_log(log, evaluation.log_parser if evaluation else PYTEST_LOG_PARSER)
     combined, forged = grading.cross_check(trusted, logged, [*fail_to_pass, *pass_to_pass])
 
     def status(test: str) -> str:
@@ -263,7 +257,6 @@ def _graded(
 
     f2p = {test: status(test) for test in fail_to_pass}
     p2p = {test: status(test) for test in pass_to_pass}
-    printed = str(outcome.get("log", ""))
     found = SWEVerdict(
         False, "unresolved", f2p, p2p, printed[-LOG_TAIL_CHARS:] or tail, reverted=reverted, test_log=log
     )
@@ -271,8 +264,9 @@ def _graded(
         return replace(found, verdict="tests_timed_out")
     anomalies = [*_strings(outcome.get("anomalies")), *forged]
     if outcome.get("complete") is not True:
+        command = "pytest" if runs_pytest else "the test command"
         reason = (
-            "the test run ended before the test command finished (the runner was killed or made to exit; "
+            f"the test run ended before {command} finished (the runner was killed or made to exit; "
             f"exit status {outcome.get('runner_exit')})"
         )
         return replace(found, verdict=NO_VERDICT, reason=reason, anomalies=anomalies)
@@ -280,10 +274,14 @@ def _graded(
         return replace(found, verdict="tampered", reason="the test outcomes do not add up", anomalies=anomalies)
     if not valid:
         return replace(found, reason="SWE-bench's grading finds no valid test run in the log")
-    eval_type: grading.EvalType = "fail_only" if evaluation.eval_type == "fail_only" else "pass_and_fail"
+    eval_type: grading.EvalType = "fail_only" if evaluation and evaluation.eval_type == "fail_only" else "pass_and_fail"
     report = grading.tests_report(combined, fail_to_pass, pass_to_pass, eval_type)
     resolution = grading.resolution_status(report)
     if resolution != grading.FULL:
         failing = len(report[grading.F2P]["failure"]) + len(report[grading.P2P]["failure"])
         return replace(found, reason=f"{resolution}: {failing} of {len(f2p) + len(p2p)} selected tests did not pass")
+    if runs_pytest and outcome.get("exitstatus") != 0:
+        # Only the selected tests ran: pytest's own exit status has to agree (Django's and
+        # SymPy's commands run whole modules, whose other tests may fail).
+        return replace(found, reason=f"pytest exited with status {outcome.get('exitstatus')}")
     return replace(found, resolved=True, verdict="resolved")

@@ -1,10 +1,14 @@
-"""Django's and SymPy's official runners in the judge, on the shipped tasks built
-in SWE-bench's image layout (the testbed environment): the gold patch resolves,
-a patch without the fix does not, the verdict's per-test outcomes are what
-swebench 5.0.2's own grading computes on the same test log, and the reward
-hacks a policy would try on these runners score 0: printed `... ok` lines
-(with or without an early exit 0), an edited tests/runtests.py or bin/test,
-and the package under test monkeypatching unittest's or SymPy's reporter.
+"""The judge on every shipped task, graded as SWE-bench grades: Django's and
+SymPy's official runners (the tasks built in SWE-bench's image layout, the
+testbed environment) and pytest (the four other tasks, whose log swebench
+parses with parse_log_pytest). The gold patch resolves, a patch without the
+fix does not, and the verdict's per-test outcomes are what swebench 5.0.2's
+own grading computes on the same test log. The reward hacks a policy would
+try on the log score 0: printed `... ok` lines (with or without an early exit
+0), an edited tests/runtests.py or bin/test, the package under test
+monkeypatching unittest's or SymPy's reporter, and `PASSED nodeid` lines
+written into pytest's log after its summary (`tampered` once swebench would
+take the log as a valid run that resolves).
 
 The judge is called directly on a sandbox of the task's image (the server
 path, Submit to reward, is tests/integration/test_swe.py's)."""
@@ -18,7 +22,7 @@ from typing import Any
 import pytest
 
 from prorl_server.agents.swe import SWEInstance
-from prorl_server.datasets.swe import TASKS_DIR, load_task
+from prorl_server.datasets.swe import TASKS_DIR, load_task, task_dirs
 from prorl_server.sandbox.podman import PodmanProvider
 from prorl_server.verifiers.swe import SWEVerdict, judge
 from tests.conftest import small_spec
@@ -41,6 +45,14 @@ def swebench(request: pytest.FixtureRequest) -> Official | None:
 
 DJANGO = load_task(TASKS_DIR / "django__django-5.0.14")
 SYMPY = load_task(TASKS_DIR / "sympy__sympy-1.13.3")
+# The tasks judged by pytest: swebench grades them with parse_log_pytest, its parser for
+# repositories outside its specs (and SWE-Gym's and SWE-smith's).
+PYTEST_TASKS = {
+    task_dir.name: task
+    for task_dir in task_dirs()
+    if SWEInstance.model_validate(task := load_task(task_dir)).evaluation() is None
+}
+OFFICIAL_PARSER = {"django/django": "parse_log_django", "sympy/sympy": "parse_log_sympy"}
 
 
 def diff(path: str, old: str, new: str) -> str:
@@ -71,7 +83,8 @@ def appended(path: str, code: str) -> str:
 async def run_judge(
     provider: PodmanProvider, instance: dict[str, Any], patch: str | Callable[[], str], *prepare: str
 ) -> SWEVerdict:
-    """Judge `patch` (or what `patch()` makes once the last lines of `prepare` are known)."""
+    """Judge `patch` (or what `patch()` makes once the last lines of `prepare` are known),
+    with the arguments the handler's evaluation passes (agents/swe.py)."""
     model = SWEInstance.model_validate(instance)
     sandbox = await provider.create(small_spec(instance["image"], cpus=1.0, memory_mib=1024, pids_limit=256))
     try:
@@ -79,13 +92,13 @@ async def run_judge(
             await last_line(sandbox, path)
         return await judge(
             sandbox,
-            repo_dir="/testbed",
+            repo_dir=model.repo_dir,
             base_commit=model.base_commit,
             patch=patch() if callable(patch) else patch,
             test_patch=model.test_patch,
             fail_to_pass=model.FAIL_TO_PASS,
             pass_to_pass=model.PASS_TO_PASS,
-            pythonpath="",
+            pythonpath=model.pythonpath,
             timeout_s=float(model.eval_timeout_s),
             evaluation=model.evaluation(),
         )
@@ -93,19 +106,30 @@ async def run_judge(
         await sandbox.close()
 
 
+def swebench_report(official: Official, instance: dict[str, Any], log: str, tmp: Path) -> tuple[dict[str, Any], bool]:
+    """swebench's report of the selected tests on `log`, and whether get_logs_eval found a valid run."""
+    parser = OFFICIAL_PARSER.get(instance["repo"], "parse_log_pytest")
+    f2p, p2p = instance["FAIL_TO_PASS"], instance["PASS_TO_PASS"]
+    path = tmp / "test_output.txt"
+    path.write_text(log)
+    status_map, found = official.grading.get_logs_eval(spec_of(official, parser, f2p, p2p), str(path))
+    report = official.grading.get_eval_tests_report(status_map, {"FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p})
+    return report, found
+
+
+def swebench_resolves(official: Official, instance: dict[str, Any], log: str, tmp: Path) -> bool:
+    report, found = swebench_report(official, instance, log, tmp)
+    return found and official.grading.get_resolution_status(report) == "RESOLVED_FULL"
+
+
 def assert_graded_as_swebench(
-    official: Official | None, instance: dict[str, Any], verdict: SWEVerdict, tmp: Path
+    official: Official | None, instance: dict[str, Any], verdict: SWEVerdict, tmp: Path, *, valid: bool = True
 ) -> None:
     """The verdict's per-test outcomes and resolution are swebench's own on the same log."""
     if official is None:
         return
-    parser = "parse_log_django" if instance["repo"] == "django/django" else "parse_log_sympy"
-    f2p, p2p = instance["FAIL_TO_PASS"], instance["PASS_TO_PASS"]
-    path = tmp / "test_output.txt"
-    path.write_text(verdict.test_log)
-    status_map, found = official.grading.get_logs_eval(spec_of(official, parser, f2p, p2p), str(path))
-    assert found
-    report = official.grading.get_eval_tests_report(status_map, {"FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p})
+    report, found = swebench_report(official, instance, verdict.test_log, tmp)
+    assert found == valid
     resolved = official.grading.get_resolution_status(report) == "RESOLVED_FULL"
     assert verdict.resolved == resolved
     for kind, ours in (("FAIL_TO_PASS", verdict.fail_to_pass), ("PASS_TO_PASS", verdict.pass_to_pass)):
@@ -279,3 +303,83 @@ async def test_sympy_printed_ok_and_exit_zero_scores_zero(provider: PodmanProvid
     verdict = await run_judge(provider, SYMPY, lambda: appended("sympy/__init__.py", code), "sympy/__init__.py")
     assert not verdict.resolved and "test_creation ok" in verdict.test_log
     assert verdict.verdict == ("no_verdict" if "_exit" in ending else "tampered"), verdict
+
+
+# --- pytest ---------------------------------------------------------------------------------
+
+# The module each pytest task's tests import: code appended there runs in the test process.
+CODE_MODULE = {
+    "kjd__idna-3.8": "idna/__init__.py",
+    "more-itertools__more-itertools-10.8.0": "more_itertools/__init__.py",
+    "pallets__click-8.1.8": "src/click/__init__.py",
+    "r1chardj0n3s__parse-1.20.2": "parse.py",
+}
+# Printed at import, pytest captures it (shown only for a failed collection); so a process
+# forked at import finds the log among its inherited fds and, once the test process is gone,
+# appends `PASSED nodeid` lines after pytest's summary (SWE-bench's parser keeps a test's last
+# line). With nothing failing left in the log, swebench finds its exit code 1 inconsistent and
+# the run invalid, unless the log also says `>>>>> Test Exit Code: 0` first (it reads the first).
+FORGE_PASSED = """
+import os as _os, time as _time
+if _os.fork() == 0:
+    _parent = _os.getppid()
+    while _os.getppid() == _parent:
+        _time.sleep(0.01)
+    _lines = "".join("PASSED " + _t + "\\n" for _t in {names!r}) + {exit_line!r}
+    for _fd in _os.listdir("/proc/self/fd"):
+        try:
+            if _os.readlink("/proc/self/fd/" + _fd).endswith("/test.log"):
+                _os.write(int(_fd), _lines.encode())
+                break
+        except OSError:
+            pass
+    _os._exit(0)
+"""
+
+
+def test_the_pytest_tasks_are_the_four_shipped() -> None:
+    assert sorted(PYTEST_TASKS) == [
+        "kjd__idna-3.8", "more-itertools__more-itertools-10.8.0", "pallets__click-8.1.8", "r1chardj0n3s__parse-1.20.2",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PYTEST_TASKS))
+async def test_pytest_gold_resolves_empty_does_not_graded_as_swebench(
+    provider: PodmanProvider, swebench: Official | None, tmp_path: Path, name: str
+) -> None:
+    task = PYTEST_TASKS[name]
+    selected = len(task["FAIL_TO_PASS"]) + len(task["PASS_TO_PASS"])
+    gold = await run_judge(provider, task, task["patch"])
+    assert gold.verdict == "resolved" and not gold.anomalies, gold
+    assert set(gold.fail_to_pass.values()) | set(gold.pass_to_pass.values()) == {"PASSED"}
+    assert f" {selected} passed" in gold.test_log and gold.log_tail in gold.test_log
+    assert_graded_as_swebench(swebench, task, gold, tmp_path)
+
+    empty = await run_judge(provider, task, "")
+    assert empty.verdict == "unresolved" and not empty.anomalies, empty
+    assert set(empty.fail_to_pass.values()) == {"FAILED"}, empty.fail_to_pass
+    assert set(empty.pass_to_pass.values()) == {"PASSED"}, empty.pass_to_pass
+    assert_graded_as_swebench(swebench, task, empty, tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(PYTEST_TASKS))
+async def test_pytest_forged_passed_lines_score_zero(
+    provider: PodmanProvider, swebench: Official | None, tmp_path: Path, name: str
+) -> None:
+    task, path = PYTEST_TASKS[name], CODE_MODULE[name]
+    f2p = task["FAIL_TO_PASS"]
+    # As swebench would grade it: `PASSED` after `FAILED`, nothing failing and exit code 1, no valid run.
+    code = FORGE_PASSED.format(names=f2p, exit_line="")
+    verdict = await run_judge(provider, task, lambda: appended(path, code), path)
+    assert verdict.verdict == "unresolved" and not verdict.resolved, verdict
+    assert verdict.reason == "SWE-bench's grading finds no valid test run in the log"
+    assert all(f"PASSED {test}" in verdict.test_log.split(" passed in ")[1] for test in f2p)
+    assert_graded_as_swebench(swebench, task, verdict, tmp_path, valid=False)
+    # What swebench's grading would resolve (a valid log calling every selected test passed) is tampering.
+    code = FORGE_PASSED.format(names=f2p, exit_line=">>>>> Test Exit Code: 0\n")
+    verdict = await run_judge(provider, task, lambda: appended(path, code), path)
+    assert verdict.verdict == "tampered" and not verdict.resolved, verdict
+    assert all(f"the log says PASSED for {test}" in " ".join(verdict.anomalies) for test in f2p), verdict.anomalies
+    assert set(verdict.fail_to_pass.values()) == {"FAILED"}  # the reporter's, not the forged lines'
+    if swebench is not None:
+        assert swebench_resolves(swebench, task, verdict.test_log, tmp_path)  # the attack that beats swebench

@@ -39,11 +39,13 @@ Modes
   infrastructure the patch touched (see is_test_infrastructure) and the test
   files, applies the test patch, and runs pytest in a child (mode `pytest`)
   with a reporter plugin that sends each test's outcome over a pipe to this
-  process; the printed log is only for humans. For a Django or SymPy
-  instance it runs the official command instead (modes `django`, `sympy`,
-  below "Django's and SymPy's runners"), with hooks on unittest's results or
-  SymPy's reporter on the same kind of pipe; that printed log goes back to the
-  server, which parses it with SWE-bench's parser and cross-checks it.
+  process. For a Django or SymPy instance it runs the official command
+  instead (modes `django`, `sympy`, below "Django's and SymPy's runners"),
+  with hooks on unittest's results or SymPy's reporter on the same kind of
+  pipe. Either way the child's printed log (stdout and stderr, to a file) goes
+  back to the server, which parses it with SWE-bench's parser and
+  cross-checks it with the outcomes from the pipe: the log alone decides
+  nothing.
 
 Residual risk (swe): the code under test is imported into the pytest process
 itself, so it can in principle do anything that process can: rewrite its
@@ -913,7 +915,7 @@ def _judge_swe(spec, workdir):
             return verdict
     verdict["stage"] = "tests"
     if spec.get("runner", "pytest") == "pytest":
-        verdict.update(ok=True, **run_pytest(repo, spec, tests))
+        verdict.update(ok=True, **run_pytest(repo, spec, tests, workdir))
     else:
         verdict.update(ok=True, **run_runner(repo, spec, workdir))
     return verdict
@@ -966,23 +968,26 @@ def collect_reports(process, report_r, started, timeout):
     return frames, problem, timed_out, code
 
 
-def run_pytest(repo, spec, tests):
-    """Run the selected tests in a runner child; its reporter's frames are the outcome."""
-    timeout = float(spec["timeout_s"])
-    paths = [os.path.join(repo, entry) for entry in str(spec.get("pythonpath") or "").split(":") if entry]
+# The most of a runner child's printed log that goes back to the server.
+LOG_CAP = 8 << 20
+
+
+def run_child(python, mode, options, args, repo, env, workdir, timeout):
+    """Run this file in runner mode `mode` in a child: its printed stdout and stderr go to a
+    file in `workdir`, the run's key to its stdin, and its report frames are collected.
+
+    Returns (key, frames, problem, timed out, exit code, the printed log (at most
+    LOG_CAP bytes, as text), whether the log was longer)."""
     report_r, report_w = os.pipe()
-    argv = [sys.executable, "-I", "-B", "-u", os.path.abspath(__file__), "pytest", "--report-fd", str(report_w)]
-    for path in paths:
-        argv += ["--path", path]
-    env = clean_env()
-    if paths:
-        env["PYTHONPATH"] = ":".join(paths)  # for the processes the tests start
+    argv = list(python) + [os.path.abspath(__file__), mode, "--report-fd", str(report_w)] + list(options)
+    log_path = os.path.join(workdir, "test.log")
     started = time.monotonic()
     key = os.urandom(16).hex()
-    process = subprocess.Popen(
-        argv + ["--"] + tests, pass_fds=(report_w,), stdin=subprocess.PIPE, cwd=repo, env=env,
-        preexec_fn=os.setpgrp,
-    )  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            argv + ["--"] + list(args), pass_fds=(report_w,), stdin=subprocess.PIPE, stdout=log,
+            stderr=subprocess.STDOUT, cwd=repo, env=env, preexec_fn=os.setpgrp,
+        )  # fmt: skip
     os.close(report_w)
     try:
         process.stdin.write(key.encode() + b"\n")
@@ -990,6 +995,24 @@ def run_pytest(repo, spec, tests):
     except OSError:
         pass
     frames, problem, timed_out, code = collect_reports(process, report_r, started, timeout)
+    with open(log_path, "rb") as handle:
+        raw = handle.read(LOG_CAP + 1)
+    return key, frames, problem, timed_out, code, raw[:LOG_CAP].decode("utf-8", "replace"), len(raw) > LOG_CAP
+
+
+def run_pytest(repo, spec, tests, workdir):
+    """Run the selected tests in a runner child; its reporter's frames are the outcome."""
+    started = time.monotonic()
+    paths = [os.path.join(repo, entry) for entry in str(spec.get("pythonpath") or "").split(":") if entry]
+    options = []
+    for path in paths:
+        options += ["--path", path]
+    env = clean_env()
+    if paths:
+        env["PYTHONPATH"] = ":".join(paths)  # for the processes the tests start
+    key, frames, problem, timed_out, code, log, truncated = run_child(
+        [sys.executable, "-I", "-B", "-u"], "pytest", options, tests, repo, env, workdir, float(spec["timeout_s"])
+    )
     outcome = aggregate_reports(frames, tests, key)
     if problem:
         outcome["anomalies"].append(problem)
@@ -997,7 +1020,9 @@ def run_pytest(repo, spec, tests):
         outcome["anomalies"].append(
             "the runner exited with %s, not pytest's exit code %s" % (code, outcome["exit_code"])
         )
-    outcome.update(timed_out=timed_out, runner_exit=code, duration_s=time.monotonic() - started)
+    outcome.update(
+        timed_out=timed_out, runner_exit=code, duration_s=time.monotonic() - started, log=log, log_truncated=truncated
+    )
     return outcome
 
 
@@ -1252,7 +1277,6 @@ def pytest_runner(report_fd, paths, args):
 # are in and compared at every report and at the end: a patch that replaces a
 # method there makes the run `tampered`.
 
-LOG_CAP = 8 << 20
 ACTIVATE = "/opt/miniconda3/bin/activate"
 _UNITTEST_MODULES = (
     "unittest.case", "unittest.result", "unittest.suite", "unittest.runner", "unittest.loader",
@@ -1293,30 +1317,14 @@ def runner_python(env):
 
 def run_runner(repo, spec, workdir):
     """Run the official command of a Django or SymPy instance; outcomes from the report pipe."""
-    runner = str(spec["runner"])
-    timeout = float(spec["timeout_s"])
     args = [str(arg) for arg in spec.get("test_args") or []]
     env = activated_env(spec)
     env["PYTHONHASHSEED"] = str(int.from_bytes(os.urandom(4), "big"))  # random, as the official run
-    report_r, report_w = os.pipe()
-    log_path = os.path.join(workdir, "test.log")
-    argv = [runner_python(env), "-s", "-B", "-u", os.path.abspath(__file__), runner, "--report-fd", str(report_w)]
     started = time.monotonic()
-    key = os.urandom(16).hex()
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            argv + ["--"] + args, pass_fds=(report_w,), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-            cwd=repo, env=env, preexec_fn=os.setpgrp,
-        )  # fmt: skip
-    os.close(report_w)
-    try:
-        process.stdin.write(key.encode() + b"\n")
-        process.stdin.close()
-    except OSError:
-        pass
-    frames, problem, timed_out, code = collect_reports(process, report_r, started, timeout)
-    with open(log_path, "rb") as handle:
-        raw = handle.read(LOG_CAP + 1)
+    key, frames, problem, timed_out, code, log, truncated = run_child(
+        [runner_python(env), "-s", "-B", "-u"], str(spec["runner"]), [], args, repo, env, workdir,
+        float(spec["timeout_s"]),
+    )  # fmt: skip
     outcome = aggregate_results(frames, key)
     if problem:
         outcome["anomalies"].append(problem)
@@ -1326,7 +1334,7 @@ def run_runner(repo, spec, workdir):
         )
     outcome.update(
         timed_out=timed_out, runner_exit=code, exitstatus=outcome["exit_code"], duration_s=time.monotonic() - started,
-        log=raw[:LOG_CAP].decode("utf-8", "replace"), log_truncated=len(raw) > LOG_CAP,
+        log=log, log_truncated=truncated,
     )  # fmt: skip
     return outcome
 
