@@ -11,7 +11,7 @@ import pytest
 from prorl_server.agents.swe import SWEHandler, node_ids
 from prorl_server.datasets.swe import load_task, task_dirs, to_task
 from prorl_server.errors import InvalidArgument
-from prorl_server.verifiers.swe import patched_files, runner_command
+from prorl_server.verifiers.swe import _graded, patched_files, runner_command
 
 INSTANCE: dict[str, Any] = {
     "instance_id": "owner__proj-1.0",
@@ -134,3 +134,22 @@ def test_django_and_sympy_instances_are_judged_by_their_runners(
 )
 def test_instances_judged_by_pytest_are_accepted(change: dict[str, Any]) -> None:
     assert SWEHandler().validate({**INSTANCE, **change}).repo
+
+
+def test_a_pytest_repository_of_swebench_is_graded_with_its_official_parser() -> None:
+    """psf/requests' official parser is parse_log_requests: the judge's pytest log goes through it."""
+    instance = SWEHandler().validate({**INSTANCE, "repo": "psf/requests", "version": "2.0"})
+    evaluation = instance.evaluation()
+    assert evaluation is not None and (evaluation.runner, evaluation.log_parser) == ("pytest", "parse_log_requests")
+    tests = ["t.py::test_fixed", "t.py::test_kept"]
+    printed = "".join(f"PASSED {test}\n" for test in tests)
+    outcome = {
+        "stage": "tests", "ok": True, "complete": True, "exitstatus": 0, "exit_code": 0,
+        "statuses": dict.fromkeys(tests, "PASSED"), "log": printed,
+    }  # fmt: skip
+    verdict = _graded(outcome, evaluation, True, tests[:1], tests[1:], "", {})
+    assert verdict.resolved and verdict.fail_to_pass == {"t.py::test_fixed": "PASSED"}
+    forged = _graded(
+        {**outcome, "statuses": {"t.py::test_kept": "PASSED"}}, evaluation, True, tests[:1], tests[1:], "", {}
+    )
+    assert not forged.resolved and forged.verdict == "tampered"  # the log's PASSED line, unreported by pytest
