@@ -324,6 +324,7 @@ class ProrlServer:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ],
         )
+        assert self._feed is not None
         v1.add_RolloutServiceServicer_to_server(RolloutServicer(self.jobs, self._feed), server)
         cluster = isinstance(self._store, ClusterStore)
         v1.add_AdminServiceServicer_to_server(

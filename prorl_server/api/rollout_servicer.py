@@ -10,7 +10,6 @@ import grpc
 
 from prorl_client import v1
 from prorl_server.api.errors import status_code
-from prorl_server.config import SubscribeSettings
 from prorl_server.errors import InvalidArgument, ProrlError
 from prorl_server.jobs import wire
 from prorl_server.jobs.feed import Feed
@@ -21,7 +20,7 @@ STREAM_BUFFER = 256
 
 
 class RolloutServicer(v1.RolloutServiceServicer):
-    def __init__(self, jobs: JobService, feed: Feed | None = None) -> None:
+    def __init__(self, jobs: JobService, feed: Feed) -> None:
         self._jobs = jobs
         self._feed = feed
 
@@ -125,7 +124,22 @@ class RolloutServicer(v1.RolloutServiceServicer):
 
     async def Subscribe(  # noqa: N802
         self, request: v1.SubscribeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[v1.SubscribeResponse]:
-        feed = self._feed or Feed(None, SubscribeSettings())
-        async for response in feed.subscribe(request.filter, request.after_cursor):
-            yield response
+    ) -> None:
+        """Each response is written while watching for the consumer to fall too far behind:
+        a send that cannot complete (the consumer stopped reading) is given up, so that a
+        stalled consumer is ended as one that reads too slowly is."""
+        subscription = await self._feed.subscribe(request.filter, request.after_cursor)
+        overrun = asyncio.ensure_future(subscription.overrun())
+        try:
+            async with contextlib.aclosing(subscription.responses()) as responses:
+                async for response in responses:
+                    write = asyncio.ensure_future(context.write(response))
+                    await asyncio.wait({write, overrun}, return_when=asyncio.FIRST_COMPLETED)
+                    if not write.done():
+                        write.cancel()
+                        raise overrun.result()
+                    write.result()
+                    subscription.delivered()
+        finally:
+            overrun.cancel()
+            subscription.close()

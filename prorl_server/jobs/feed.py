@@ -38,7 +38,7 @@ import base64
 import binascii
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import structlog
@@ -208,8 +208,9 @@ class Feed:
             metadata={RESUME_CURSOR_KEY: encode_cursor(store_id, position)},
         )
 
-    async def subscribe(self, message: v1.EventFilter, after_cursor: str) -> AsyncIterator[v1.SubscribeResponse]:
-        """The stream of one Subscribe call (see the module docstring)."""
+    async def subscribe(self, message: v1.EventFilter, after_cursor: str) -> Subscription:
+        """One Subscribe call's subscription, checked (bad filters and cursors raise here,
+        before anything is sent); `close()` it when the stream ends."""
         if self._store is None:
             raise FailedPrecondition(
                 "this server keeps no job store (setting jobs.store = false), so it has no event feed to "
@@ -220,61 +221,110 @@ class Feed:
         bounds = await self._store.feed_bounds()
         start = self._start(after_cursor, bounds)
         self._open_stream(bounds.head)
-        try:
-            async for response in self._follow(wanted, bounds.store_id, start):
-                yield response
-        finally:
-            self._streams -= 1
+        return Subscription(self, self._store, wanted, bounds.store_id, start)
 
-    async def _follow(self, wanted: Filter, store_id: str, start: int) -> AsyncIterator[v1.SubscribeResponse]:
-        assert self._store is not None
-        settings = self._settings
-        sent = scanned = start
-        least_lag: int | None = None
-        yield v1.SubscribeResponse(cursor=encode_cursor(store_id, start))
+    def _close_stream(self) -> None:
+        self._streams -= 1
+
+
+class Subscription:
+    """The state of one stream: what it has read, sent and is sending.
+
+    The caller sends each response of `responses()` and calls `delivered()` once
+    the transport took it; while a send is pending, `overrun()` resolves when the
+    consumer has lost too much ground (so that a consumer that stopped reading is
+    ended too, not only one that reads slowly)."""
+
+    def __init__(self, feed: Feed, store: JobStore, wanted: Filter, store_id: str, start: int) -> None:
+        self._feed = feed
+        self._store = store
+        self._wanted = wanted
+        self._store_id = store_id
+        self._settings = feed._settings
+        self._sent = start
+        """The position of the last response delivered: where a resumed stream goes on."""
+        self._sending: int | None = None
+        self._least_lag: int | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._feed._close_stream()
+
+    def cursor(self) -> str:
+        return encode_cursor(self._store_id, self._sent)
+
+    def delivered(self) -> None:
+        if self._sending is not None:
+            self._sent, self._sending = self._sending, None
+
+    def _lost_ground(self, position: int) -> int:
+        lag = max(self._feed._head - position, 0)
+        self._least_lag = lag if self._least_lag is None else min(self._least_lag, lag)
+        return lag - self._least_lag
+
+    def too_slow(self, lost: int) -> ConsumerTooSlow:
+        return ConsumerTooSlow(
+            f"this subscriber fell {lost} events further behind the feed than it was "
+            f"(subscribe.max_lag_events = {self._settings.max_lag_events}); resume from the cursor of the last "
+            f"response you processed (or the trailing metadata `{RESUME_CURSOR_KEY}`, the last one delivered), "
+            "with a faster consumer or a narrower filter",
+            metadata={RESUME_CURSOR_KEY: self.cursor()},
+        )
+
+    async def overrun(self) -> ConsumerTooSlow:
+        """Resolves, with the error to end the stream with, once a pending send has lost
+        more than max_lag_events of ground; never while nothing is pending."""
+        while True:
+            await self._feed._moved.wait()
+            if self._sending is not None:
+                lost = self._lost_ground(self._sending)
+                if lost > self._settings.max_lag_events:
+                    return self.too_slow(lost)
+
+    async def responses(self) -> AsyncGenerator[v1.SubscribeResponse, None]:
+        """Progress mark at the start, then matching events and later marks (module docstring)."""
+        settings, store_id = self._settings, self._store_id
+        scanned = self._sent
+        self._sending = scanned
+        yield v1.SubscribeResponse(cursor=encode_cursor(store_id, scanned))
         last_message = time.monotonic()
         while True:
             try:
-                page = await self._store.feed_page(scanned, settings.page_size, wanted.kinds)
+                page = await self._store.feed_page(scanned, settings.page_size, self._wanted.kinds)
             except Exception as exc:
                 log.warning("feed_read_failed", error=str(exc))
                 raise Unavailable(
-                    f"the job store cannot be read now ({type(exc).__name__}); resume from the cursor in the "
-                    f"trailing metadata `{RESUME_CURSOR_KEY}` (the last event sent)",
-                    metadata={RESUME_CURSOR_KEY: encode_cursor(store_id, sent)},
+                    f"the job store cannot be read now ({type(exc).__name__}); resume from the cursor of the last "
+                    f"response you processed (or the trailing metadata `{RESUME_CURSOR_KEY}`)",
+                    metadata={RESUME_CURSOR_KEY: self.cursor()},
                 ) from None
             if page.trimmed > scanned:
-                raise self._expired(store_id, sent, page.trimmed)
+                raise self._feed._expired(store_id, self._sent, page.trimmed)
             for entry in page.entries:
-                if not wanted.matches(entry):
+                if not self._wanted.matches(entry):
                     continue
-                lag = max(self._head - entry.position, 0)
-                least_lag = lag if least_lag is None else min(least_lag, lag)
-                if lag - least_lag > settings.max_lag_events:
-                    raise ConsumerTooSlow(
-                        f"this subscriber fell {lag - least_lag} events further behind the feed than it was "
-                        f"(subscribe.max_lag_events = {settings.max_lag_events}); resume from the cursor in the "
-                        f"trailing metadata `{RESUME_CURSOR_KEY}` (the last event sent), with a narrower filter "
-                        "or a faster consumer",
-                        metadata={RESUME_CURSOR_KEY: encode_cursor(store_id, sent)},
-                    )
+                lost = self._lost_ground(entry.position)
+                if lost > settings.max_lag_events:
+                    raise self.too_slow(lost)
+                self._sending = entry.position
                 yield _response(store_id, entry)
-                sent = entry.position
                 last_message = time.monotonic()
             scanned = page.scanned
             if len(page.entries) == settings.page_size:
                 continue  # more to read now
-            if scanned > sent:
+            if scanned > self._sent:
                 wait = PROGRESS_INTERVAL_S - (time.monotonic() - last_message)
                 if wait <= 0:
+                    self._sending = scanned
                     yield v1.SubscribeResponse(cursor=encode_cursor(store_id, scanned))
-                    sent = scanned
                     last_message = time.monotonic()
                 else:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._beyond(scanned), wait)
+                        await asyncio.wait_for(self._feed._beyond(scanned), wait)
                     continue
-            await self._beyond(scanned)
+            await self._feed._beyond(scanned)
 
 
 def _response(store_id: str, entry: FeedEntry) -> v1.SubscribeResponse:
@@ -285,4 +335,7 @@ def _response(store_id: str, entry: FeedEntry) -> v1.SubscribeResponse:
         event=v1.RolloutEvent.FromString(entry.event),
         attempt=entry.attempt,
         store_time=stamp,
+        handler=entry.handler,
+        group_id=entry.group_id,
+        labels=entry.labels,
     )

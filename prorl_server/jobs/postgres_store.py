@@ -208,6 +208,8 @@ FROM jobs j
 CROSS JOIN unnest($2::bigint[], $3::text[], $4::int[], $5::bytea[], $6::bytea[]) AS r(seq, kind, status, copy, event)
 JOIN job_events e ON e.job_id = j.job_id AND e.seq = r.seq AND e.event = r.event
 WHERE j.job_id = $1 AND ($7::text IS NULL OR (j.server_id = $7 AND j.attempt = $8 AND j.end_time IS NULL))
+    -- not even tried for an event already there: a skipped insert still takes a sequence value
+    AND NOT EXISTS (SELECT 1 FROM event_feed f WHERE f.job_id = j.job_id AND f.attempt = j.attempt AND f.seq = r.seq)
 ORDER BY r.seq
 ON CONFLICT (job_id, attempt, seq) DO NOTHING
 """

@@ -93,7 +93,9 @@ FEED = (
     "INSERT OR IGNORE INTO event_feed "
     "(job_id, attempt, seq, kind, status, handler, group_id, labels, store_time, event) "
     "SELECT j.job_id, j.attempt, e.seq, ?, ?, j.handler, j.group_id, j.labels, ?, ? "
-    "FROM jobs j JOIN job_events e ON e.job_id = j.job_id WHERE j.job_id = ? AND e.seq = ? AND e.event = ?"
+    "FROM jobs j JOIN job_events e ON e.job_id = j.job_id WHERE j.job_id = ? AND e.seq = ? AND e.event = ? "
+    # Not even tried for an event already there: an ignored insert would still use up a position.
+    "AND NOT EXISTS (SELECT 1 FROM event_feed f WHERE f.job_id = j.job_id AND f.attempt = j.attempt AND f.seq = e.seq)"
 )
 
 # An event row, only for a job that has a row in `jobs`; a seq already there is kept.

@@ -2,23 +2,28 @@
 a SQLite job store; no Podman, no model (a fake sandbox provider and a scripted LLM backend):
 filters, cursors that resume exactly after an event (also after a server restart), progress
 marks, the errors a consumer can get (bad filter or cursor, a cursor behind retention, no
-store, falling behind) and what the feed leaves out (gateway API keys)."""
+store, falling behind) and what the feed leaves out (gateway API keys). A consumer that stops
+reading altogether is shown on the servicer with a context whose writes stop completing
+(over a real connection that takes megabytes of gRPC window first: bench/feed.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
 import pytest_asyncio
 
 from prorl_client import Client, RpcError, v1
+from prorl_server.api.rollout_servicer import RolloutServicer
 from prorl_server.app import ProrlServer
-from prorl_server.config import load_settings
-from prorl_server.jobs.feed import OLDEST, decode_cursor
+from prorl_server.config import SubscribeSettings, load_settings
+from prorl_server.errors import ConsumerTooSlow
+from prorl_server.jobs.feed import OLDEST, RESUME_CURSOR_KEY, Feed, decode_cursor
 from prorl_server.jobs.sqlite_store import SQLiteJobStore
 from prorl_server.jobs.store import feed_copy
 from tests.conftest import instance_id
@@ -122,6 +127,8 @@ async def test_a_filtered_stream_gets_every_matching_event_once_in_store_order(s
 
     assert {event.job_id for event in events_of(got_a)} == {f"a-{index}" for index in range(6)}
     assert [event.WhichOneof("kind") for event in events_of(got_a)] == ["finished"] * 6
+    tagged = [(r.handler, r.group_id, dict(r.labels)) for r in got_a if r.HasField("event")]
+    assert tagged == [("math", "", {"run": "a"})] * 6  # the job's tags, as the filter saw them
     assert sorted(event.finished.result.reward for event in events_of(got_a)) == sorted(
         result.reward for result in results_a
     )
@@ -143,6 +150,9 @@ async def test_resuming_after_a_cursor_gives_the_rest_exactly_once(served: Serve
     await served.run(5, prefix="r")
     full = await collect(served.client.subscribe(after_cursor=OLDEST), finished_count(5))
     everything = events_of(full)
+    # each event takes one position: a job's whole log rewritten at its end takes none more
+    positions = [decode_cursor(response.cursor)[1] for response in full if response.HasField("event")]
+    assert positions == list(range(1, len(everything) + 1))
     for cut in (1, len(full) // 2, len(full) - 2):
         wanted = len(events_of(full[cut + 1 :]))
         rest = await collect(
@@ -150,7 +160,7 @@ async def test_resuming_after_a_cursor_gives_the_rest_exactly_once(served: Serve
             lambda seen, wanted=wanted: len(events_of(seen)) >= wanted,
         )
         assert events_of(full[: cut + 1]) + events_of(rest) == everything
-    # statuses as of the event: SUCCEEDED gives the finished events of the right answers only
+    # statuses as of the event: SUCCEEDED gives finished events only (a wrong answer still succeeds, reward 0)
     succeeded = await collect(
         served.client.subscribe(after_cursor=OLDEST, statuses=[v1.JOB_STATUS_SUCCEEDED]),
         lambda seen: len(events_of(seen)) >= 5,
@@ -238,12 +248,14 @@ async def test_a_consumer_that_falls_behind_gets_resource_exhausted_and_a_cursor
                 await asyncio.sleep(0.05)  # a consumer far slower than 40 jobs' events
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_lag_events" in caught.value.details
-        assert caught.value.resume_cursor == received[-1].cursor  # the last it was sent: nothing lost
+        # the last response delivered: the last received, or the one before when the send under
+        # way was given up but still reached the client (a duplicate on resuming, never a gap)
+        assert caught.value.resume_cursor in (received[-1].cursor, received[-2].cursor)
         await runs
-        # resuming from it gives the rest (a fast reader now), nothing twice
+        # resuming from the last cursor received gives the rest (a fast reader now), nothing twice
         total = await collect(served.client.subscribe(after_cursor=OLDEST), finished_count(40))
         rest = await collect(
-            served.client.subscribe(after_cursor=caught.value.resume_cursor),
+            served.client.subscribe(after_cursor=received[-1].cursor),
             lambda seen: len(events_of(received)) + len(events_of(seen)) >= len(events_of(total)),
         )
         assert events_of(received) + events_of(rest) == events_of(total)
@@ -268,3 +280,48 @@ async def test_closing_a_stream_releases_the_poller(served: Served) -> None:
     await assert_eventually(lambda: feed._streams == 1)
     await stream.aclose()
     await assert_eventually(lambda: feed._streams == 0 and feed._poller is None)
+
+
+class StalledContext:
+    """A gRPC context whose consumer stopped reading: the first `accepted` writes go through,
+    later ones never complete (the transport's window is full)."""
+
+    def __init__(self, accepted: int) -> None:
+        self.accepted = accepted
+        self.written: list[v1.SubscribeResponse] = []
+        self.blocked = asyncio.Event()
+
+    async def write(self, response: v1.SubscribeResponse) -> None:
+        if len(self.written) >= self.accepted:
+            self.blocked.set()
+            await asyncio.Event().wait()
+        self.written.append(response)
+
+
+async def test_a_consumer_that_stops_reading_is_ended_once_events_pile_up(tmp_path: Path) -> None:
+    store = SQLiteJobStore(tmp_path / "jobs.sqlite")
+    await store.open()
+    feed = Feed(store, SubscribeSettings(max_lag_events=10, poll_interval_s=0.02))
+    servicer = RolloutServicer(cast(Any, None), feed)
+    context = StalledContext(accepted=2)
+
+    async def produce(job_id: str, count: int) -> None:
+        await store.submitted(job_id, 1, math_request("q", job_id=job_id), b"", time.time())
+        await store.appended(job_id, [v1.RolloutEvent(job_id=job_id, seq=seq) for seq in range(1, count + 1)])
+
+    try:
+        await produce("first", 2)
+        subscription = asyncio.ensure_future(
+            servicer.Subscribe(v1.SubscribeRequest(after_cursor=OLDEST), cast(Any, context))
+        )
+        await asyncio.wait_for(context.blocked.wait(), 10)  # the start mark, one event, then stuck
+        assert not subscription.done()  # nothing new: a stalled consumer costs nothing, and is kept
+        await produce("more", 30)
+        with pytest.raises(ConsumerTooSlow) as caught:
+            await asyncio.wait_for(subscription, 10)
+        assert caught.value.metadata[RESUME_CURSOR_KEY] == context.written[-1].cursor  # the last delivered
+        assert [response.event.seq for response in context.written[1:]] == [1]
+        await assert_eventually(lambda: feed._streams == 0)
+    finally:
+        await feed.close()
+        await store.close()

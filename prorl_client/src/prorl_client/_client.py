@@ -292,8 +292,7 @@ class Client:
             try:
                 async with contextlib.aclosing(self.subscribe(after_cursor=after_cursor, **filter)) as stream:
                     async for response in stream:
-                        if response.HasField("event"):
-                            failures = 0
+                        failures = 0  # an event or a progress mark: the stream works again
                         after_cursor = response.cursor
                         yield response
             except RpcError as exc:

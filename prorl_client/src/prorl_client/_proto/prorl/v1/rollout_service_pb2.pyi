@@ -154,13 +154,26 @@ class EventFilter(_message.Message):
     def __init__(self, handlers: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., statuses: _Optional[_Iterable[_Union[_rollout_pb2.JobStatus, str]]] = ..., event_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
-    __slots__ = ("cursor", "event", "attempt", "store_time")
+    __slots__ = ("cursor", "event", "attempt", "store_time", "handler", "group_id", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STORE_TIME_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     cursor: str
     event: _rollout_pb2.RolloutEvent
     attempt: int
     store_time: _timestamp_pb2.Timestamp
-    def __init__(self, cursor: _Optional[str] = ..., event: _Optional[_Union[_rollout_pb2.RolloutEvent, _Mapping]] = ..., attempt: _Optional[int] = ..., store_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    handler: str
+    group_id: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, cursor: _Optional[str] = ..., event: _Optional[_Union[_rollout_pb2.RolloutEvent, _Mapping]] = ..., attempt: _Optional[int] = ..., store_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., handler: _Optional[str] = ..., group_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...

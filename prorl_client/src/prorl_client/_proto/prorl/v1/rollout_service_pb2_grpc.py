@@ -159,8 +159,10 @@ class RolloutServiceServicer:
         server sharing its store). A consumer that falls behind the feed by more
         than the server allows (setting subscribe.max_lag_events) gets
         RESOURCE_EXHAUSTED; events deleted by retention, OUT_OF_RANGE; a server
-        without a job store, FAILED_PRECONDITION. Either error's trailing
-        metadata `prorl-resume-cursor` is the cursor of the last event sent.
+        without a job store, FAILED_PRECONDITION. The first two (and
+        UNAVAILABLE) carry trailing metadata `prorl-resume-cursor`: the cursor of
+        the last response the transport took, which may be one behind the last
+        the client received. Resume from your own last cursor: exactly once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
