@@ -22,6 +22,10 @@ self-contained HTML page (see prorl_client.viewer).
 `prorl import-swe FILE --format swe-bench|swe-gym|swe-smith|r2e-gym --out
 TASKS.jsonl` turns a SWE dataset's instance file into task lines for `prorl
 run` (see prorl_client.swe_import).
+
+`prorl tail --server ADDR --out PATH` appends every finished trajectory that
+matches a filter to PATH, from the service's event feed, resumably and exactly
+once (see prorl_client.tail).
 """
 
 from __future__ import annotations
@@ -321,9 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         "or its folder (needs tokenizers); token ids only without it",
     )
     swe_import.add_parser(commands)
+    from prorl_client import tail  # here: tail writes its records with this module's result_record
+
+    tail.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "import-swe":
         return swe_import.command(args)
+    if args.command == "tail":
+        return tail.command(args)
     if args.command == "view":
         from prorl_client.viewer import view_command
 
