@@ -4,8 +4,9 @@
 # No Go module proxy is reachable here, so this builds in GOPATH mode against
 # Debian's packaged sources (golang-google-grpc-dev, golang-google-protobuf-dev
 # under /usr/share/gocode). Needs: golang-go protoc-gen-go protoc-gen-go-grpc
-# protobuf-compiler. Output: examples/go/bin/rollout-client (one server, RolloutStream)
-# and examples/go/bin/cluster-client (several servers, round_robin, Submit + Watch).
+# protobuf-compiler. Output: examples/go/bin/rollout-client (one server, RolloutStream),
+# examples/go/bin/cluster-client (several servers, round_robin, Submit + Watch) and
+# examples/go/bin/feed-consumer (Subscribe: the event feed, resumed from a cursor file).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -29,3 +30,4 @@ build() {
 }
 build rollout-client rolloutclient
 build cluster-client clusterclient
+build feed-consumer feedconsumer
