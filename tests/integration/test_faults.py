@@ -4,6 +4,7 @@ restarted over its durable store."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from pathlib import Path
 from typing import Any
@@ -101,12 +102,14 @@ async def test_sigkill_then_restart_reaps_orphans_and_keeps_the_store_consistent
     assert not server_containers(podman_url, instance)
 
 
-async def test_a_backend_killed_mid_rollout_hands_the_turn_to_another(scripted_llm, start_server) -> None:
+async def test_a_backend_killed_mid_rollout_hands_the_turn_to_another(scripted_llm, start_server, podman_url) -> None:
+    # Turn 0's tool waits for the test's go-ahead, given only once the first backend is down,
+    # so turn 1 is asked for after the kill however late the test sees the tool start.
+    wait_for_go = "for i in $(seq 600); do [ -e /tmp/go ] && break; sleep 0.1; done; echo 42"
+
     def python_then_finish(messages: list[dict[str, Any]]) -> ScriptedReply:
         if turn_index(messages) == 0:
-            # Long enough for the test to stop the first backend on a loaded machine
-            # before the next turn is asked for (1 s was once too short in CI).
-            return ScriptedReply(tool_call_text("bash", {"command": "sleep 4; echo 42"}))
+            return ScriptedReply(tool_call_text("bash", {"command": wait_for_go}))
         return ScriptedReply(tool_call_text("finish", {"answer": "42"}))
 
     first, second = await scripted_llm(python_then_finish), await scripted_llm(python_then_finish)
@@ -120,8 +123,9 @@ async def test_a_backend_killed_mid_rollout_hands_the_turn_to_another(scripted_l
     events: list[v1.RolloutEvent] = []
     async for event in watch:
         events.append(event)
-        if event.HasField("tool_call"):  # turn 0 is done and its tool is running: kill its backend
+        if event.HasField("tool_call"):  # turn 0 is done and its tool is waiting: kill its backend
             await first.stop()
+            await asyncio.to_thread(give_go_ahead, podman_url, "moved")
             break
     events += [event async for event in watch]
 
@@ -162,3 +166,9 @@ async def test_a_sigkilled_server_leaves_no_podman_service_behind(scripted_llm) 
         server.process.send_signal(signal.SIGKILL)
         assert await server.wait() == -signal.SIGKILL
         await assert_eventually(lambda: not services(), timeout_s=30, message="podman service outlived the server")
+
+
+def give_go_ahead(podman_url: str, job_id: str) -> None:
+    (container,) = job_containers(podman_url, job_id)
+    exit_code, output = container.exec_run(["touch", "/tmp/go"])
+    assert exit_code == 0, output
