@@ -320,7 +320,7 @@ class Received:
     resumed: int = 0
     """Streams that ended with RESOURCE_EXHAUSTED, followed by a Subscribe after the last cursor."""
 
-    def add(self, response: v1.SubscribeResponse) -> None:
+    def add(self, response: v1.FeedEvent) -> None:
         self.last_cursor = response.cursor
         if not response.HasField("event"):
             return

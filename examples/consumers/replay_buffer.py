@@ -86,16 +86,14 @@ async def follow(client: Client, args: argparse.Namespace) -> int:
     buffer = ReplayBuffer(args.size, counts)
     taken = 0
     feed = client.follow_feed(after_cursor=cursor, labels=dict(args.label), event_kinds=["finished"])
-    async for response in feed:
-        if response.HasField("event"):
-            result = response.event.finished.result
-            # The feed's responses do not name the job's handler: ask for the job.
-            job = await client.get_job(response.event.job_id)
+    async for item in feed:
+        if item.HasField("event"):
+            result = item.event.finished.result
             trajectory = result.trajectory
             buffer.add(
                 Trajectory(
                     job_id=result.job_id,
-                    handler=job.handler,
+                    handler=item.handler,
                     reward=result.reward,
                     token_ids=tuple(trajectory.token_ids),
                     loss_mask=tuple(trajectory.loss_mask),
@@ -105,7 +103,7 @@ async def follow(client: Client, args: argparse.Namespace) -> int:
             taken += 1
             print(buffer.dashboard(), flush=True)
         # Progress marks (no event) move the cursor too: a restart does not read them again.
-        save_state(args.state, response.cursor, buffer.counts)
+        save_state(args.state, item.cursor, buffer.counts)
         if args.stop_after and taken >= args.stop_after:
             break
     return 0

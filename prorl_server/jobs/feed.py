@@ -3,8 +3,10 @@
 The feed (store.py) holds a copy of every stored event at a position that only
 grows, in the order the store received it. A subscription reads it page by page
 (one page in memory at a time) from a starting point, sends the events its
-filter matches, then waits for the head to move and reads on. Every message
-carries a cursor: the store's id and a position. Resuming after a cursor, on
+filter matches, in batches (one response for the matches of a page, split
+when larger than MAX_RESPONSE_BYTES), then waits for the head to move and reads
+on. Every response and every event in it carries a cursor: the store's id and a
+position. Resuming after a cursor, on
 this server after a restart or on any server sharing the store, gives each
 matching event exactly once, in order.
 
@@ -38,7 +40,7 @@ import base64
 import binascii
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable, Iterator
 from dataclasses import dataclass
 
 import structlog
@@ -56,6 +58,9 @@ RESUME_CURSOR_KEY = "prorl-resume-cursor"
 EVENT_KINDS = frozenset(field.name for field in v1.RolloutEvent.DESCRIPTOR.oneofs_by_name["kind"].fields)
 PROGRESS_INTERVAL_S = 1.0
 MAX_TRIM_INTERVAL_S = 3600.0
+MAX_RESPONSE_BYTES = 1 << 20
+"""A response's events stop short of this many bytes (as stored), far below gRPC's 4 MiB
+default message limit; a page (subscribe.page_size events) bounds their number."""
 
 
 def encode_cursor(store_id: str, position: int) -> str:
@@ -284,7 +289,8 @@ class Subscription:
                     return self.too_slow(lost)
 
     async def responses(self) -> AsyncGenerator[v1.SubscribeResponse, None]:
-        """Progress mark at the start, then matching events and later marks (module docstring)."""
+        """Progress mark at the start, then batches of matching events and later marks
+        (module docstring)."""
         settings, store_id = self._settings, self._store_id
         scanned = self._sent
         self._sending = scanned
@@ -302,14 +308,15 @@ class Subscription:
                 ) from None
             if page.trimmed > scanned:
                 raise self._feed._expired(store_id, self._sent, page.trimmed)
-            for entry in page.entries:
-                if not self._wanted.matches(entry):
-                    continue
-                lost = self._lost_ground(entry.position)
+            for batch in batches_of(entry for entry in page.entries if self._wanted.matches(entry)):
+                last = batch[-1].position
+                lost = self._lost_ground(last)
                 if lost > settings.max_lag_events:
                     raise self.too_slow(lost)
-                self._sending = entry.position
-                yield _response(store_id, entry)
+                self._sending = last
+                yield v1.SubscribeResponse(
+                    events=[_feed_event(store_id, entry) for entry in batch], cursor=encode_cursor(store_id, last)
+                )
                 last_message = time.monotonic()
             scanned = page.scanned
             if len(page.entries) == settings.page_size:
@@ -327,10 +334,25 @@ class Subscription:
             await self._feed._beyond(scanned)
 
 
-def _response(store_id: str, entry: FeedEntry) -> v1.SubscribeResponse:
+def batches_of(entries: Iterable[FeedEntry]) -> Iterator[list[FeedEntry]]:
+    """Entries in runs of at most MAX_RESPONSE_BYTES of events (an event larger than that
+    alone): one response each."""
+    batch: list[FeedEntry] = []
+    size = 0
+    for entry in entries:
+        if batch and size + len(entry.event) > MAX_RESPONSE_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(entry)
+        size += len(entry.event)
+    if batch:
+        yield batch
+
+
+def _feed_event(store_id: str, entry: FeedEntry) -> v1.FeedEvent:
     stamp = Timestamp()
     stamp.FromNanoseconds(int(entry.store_time * 1e9))
-    return v1.SubscribeResponse(
+    return v1.FeedEvent(
         cursor=encode_cursor(store_id, entry.position),
         event=v1.RolloutEvent.FromString(entry.event),
         attempt=entry.attempt,

@@ -36,22 +36,22 @@ def job(index: int) -> v1.RolloutRequest:
     return request
 
 
-async def read(stream: AsyncIterator[v1.SubscribeResponse], out: list[v1.SubscribeResponse], done: Any) -> None:
+async def read(stream: AsyncIterator[v1.FeedEvent], out: list[v1.FeedEvent], done: Any) -> None:
     async for response in stream:
         out.append(response)
         if done(out):
             return
 
 
-def events(responses: list[v1.SubscribeResponse]) -> list[v1.RolloutEvent]:
+def events(responses: list[v1.FeedEvent]) -> list[v1.RolloutEvent]:
     return [response.event for response in responses if response.HasField("event")]
 
 
 async def test_two_consumers_on_two_servers_get_exactly_their_events_of_200_jobs(cluster: Cluster) -> None:
     a, b = await cluster("a"), await cluster("b")
     front = await cluster("f", run_jobs=False)
-    finished_x: list[v1.SubscribeResponse] = []
-    group_g: list[v1.SubscribeResponse] = []
+    finished_x: list[v1.FeedEvent] = []
+    group_g: list[v1.FeedEvent] = []
     x_jobs = {job(index).job_id for index in range(JOBS) if index % 2 == 0}
     g_jobs = {job(index).job_id for index in range(JOBS) if index % 3 == 0}
     stream_x = front.rpc.subscribe(labels={"run": "x"}, event_kinds=["finished"])
@@ -91,11 +91,11 @@ async def test_two_consumers_on_two_servers_get_exactly_their_events_of_200_jobs
 async def test_a_cursor_from_one_server_resumes_on_another(cluster: Cluster) -> None:
     a, b = await cluster("a"), await cluster("b")
     await asyncio.gather(*(a.rpc.submit(job(index)) for index in range(20)))
-    everything: list[v1.SubscribeResponse] = []
+    everything: list[v1.FeedEvent] = []
     twenty = lambda seen: sum(e.HasField("finished") for e in events(seen)) >= 20  # noqa: E731
     await asyncio.wait_for(read(a.rpc.subscribe(after_cursor="oldest"), everything, twenty), 60)
     cut = len(everything) // 2
-    rest: list[v1.SubscribeResponse] = []
+    rest: list[v1.FeedEvent] = []
     wanted = len(events(everything[cut + 1 :]))
     await asyncio.wait_for(
         read(b.rpc.subscribe(after_cursor=everything[cut].cursor), rest, lambda seen: len(events(seen)) >= wanted),
@@ -108,7 +108,7 @@ async def test_a_consumer_follows_the_cluster_across_a_server_restart(cluster: C
     a, b = await cluster("a"), await cluster("b")
     multi = Client.connect([a.server.address, b.server.address], load_balancing="round_robin")
     try:
-        seen: list[v1.SubscribeResponse] = []
+        seen: list[v1.FeedEvent] = []
         stream = multi.follow_feed(event_kinds=["finished"], backoff_s=0.05)
         await anext(stream)
         await asyncio.gather(*(a.rpc.submit(job(index)) for index in range(10)))

@@ -128,15 +128,23 @@ class Node:
         return self.server._store
 
     async def submit(
-        self, count: int, *, prefix: str, pause_s: float = 0.0, hold_every: int = 0, padding: int = 0
+        self,
+        count: int,
+        *,
+        prefix: str,
+        pause_s: float = 0.0,
+        hold_every: int = 0,
+        padding: int = 0,
+        labels: dict[str, str] | None = None,
     ) -> None:
-        """`count` jobs, labelled run=a and run=b in turn; half of each answer right; with
-        hold_every=n, every n-th job waits for `hold`; `padding` characters more per question."""
+        """`count` jobs, labelled run=a and run=b in turn (or all with `labels`); half of each
+        answer right; with hold_every=n, every n-th job waits for `hold`; `padding` characters
+        more per question."""
         for index in range(count):
             job_id = f"{prefix}-{index}"
             held = " hold" if hold_every and index % hold_every == 0 else ""
             question = f"{'.' * padding}Q{index} {'even' if index % 4 < 2 else 'odd'}{held}"
-            request = math_request(question, "42", job_id=job_id, labels={"run": "ab"[index % 2]})
+            request = math_request(question, "42", job_id=job_id, labels=labels or {"run": "ab"[index % 2]})
             request.retry.max_restarts = 1
             await self.client.submit(request)
             self.submitted.append(job_id)
@@ -401,13 +409,17 @@ async def test_a_tail_that_stops_reading_is_ended_by_the_server_and_resumes_wher
         await tail.start()
         await assert_eventually(cursor_path(out).exists)
         assert tail.process is not None
-        tail.process.send_signal(signal.SIGSTOP)  # reads nothing: gRPC's window fills, the feed goes on
-        await node.submit(40, prefix="big", padding=8000)
+        tail.process.send_signal(signal.SIGSTOP)  # reads nothing, the feed goes on
+        # 20 matching trajectories of 400 KB: more than gRPC's window and the sockets' buffers
+        # take (a few MB), so a send stays pending; then non-matching jobs move the head past it.
+        await node.submit(40, prefix="big", padding=400_000)
         await assert_eventually(node.all_finished, timeout_s=60)
+        await node.submit(20, prefix="more", labels={"run": "b"})
+        await assert_eventually(lambda: bool(ended), timeout_s=30)
         tail.process.send_signal(signal.SIGCONT)
         await output_holds(out, 20)
-        assert ended, "the server did not end the stalled stream"
         assert await tail.terminate() == 0, tail.stderr()
+        await assert_eventually(node.all_finished, timeout_s=60)
         assert_exactly_the_matching_jobs(read_output(out), await node.all_finished())
     finally:
         await tail.close()
@@ -505,7 +517,7 @@ def test_parquet_recovery_reads_parts_past_the_cursor_file_and_drops_unfinished_
     assert sink.recover(None) is None
     for part, positions in enumerate([(1, 2), (4,), (6, 9)]):
         for position in positions:
-            response = v1.SubscribeResponse(cursor=feed_cursor(position), attempt=1)
+            response = v1.FeedEvent(cursor=feed_cursor(position), attempt=1)
             response.event.job_id = f"j{position}"
             response.event.finished.result.job_id = f"j{position}"
             sink.append(response)

@@ -23,9 +23,9 @@ from prorl_server.api.rollout_servicer import RolloutServicer
 from prorl_server.app import ProrlServer
 from prorl_server.config import SubscribeSettings, load_settings
 from prorl_server.errors import ConsumerTooSlow
-from prorl_server.jobs.feed import OLDEST, RESUME_CURSOR_KEY, Feed, decode_cursor
+from prorl_server.jobs.feed import MAX_RESPONSE_BYTES, OLDEST, RESUME_CURSOR_KEY, Feed, batches_of, decode_cursor
 from prorl_server.jobs.sqlite_store import SQLiteJobStore
-from prorl_server.jobs.store import feed_copy
+from prorl_server.jobs.store import FeedEntry, feed_copy
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text
@@ -91,9 +91,9 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     assert served.provider.busy == 0
 
 
-async def collect(stream: AsyncIterator[v1.SubscribeResponse], until: Any, timeout_s: float = 30) -> list[Any]:
-    """Responses of `stream` until `until(responses)` holds."""
-    seen: list[v1.SubscribeResponse] = []
+async def collect(stream: AsyncIterator[v1.FeedEvent], until: Any, timeout_s: float = 30) -> list[Any]:
+    """Items of `stream` until `until(items)` holds."""
+    seen: list[v1.FeedEvent] = []
 
     async def read() -> None:
         async for response in stream:
@@ -105,7 +105,7 @@ async def collect(stream: AsyncIterator[v1.SubscribeResponse], until: Any, timeo
     return seen
 
 
-def events_of(responses: list[v1.SubscribeResponse]) -> list[v1.RolloutEvent]:
+def events_of(responses: list[v1.FeedEvent]) -> list[v1.RolloutEvent]:
     return [response.event for response in responses if response.HasField("event")]
 
 
@@ -144,6 +144,53 @@ async def test_a_filtered_stream_gets_every_matching_event_once_in_store_order(s
     assert positions == sorted(positions) and len(set(positions)) == len(positions)
     await finished_a.aclose()
     await everything_g.aclose()
+
+
+async def test_a_backlog_comes_in_batches_each_with_the_cursor_of_its_last_event(tmp_path: Path) -> None:
+    served = Served(tmp_path / "jobs.sqlite", page_size=16)
+    await served.start()
+    try:
+        await served.run(6, prefix="b")
+        assert served.server is not None
+        async with grpc.aio.insecure_channel(served.server.address) as channel:  # the wire, not the client
+            call = v1.RolloutServiceStub(channel).Subscribe(v1.SubscribeRequest(after_cursor=OLDEST))
+            batches: list[v1.SubscribeResponse] = []
+            async for response in call:
+                batches.append(response)
+                if sum(item.event.HasField("finished") for b in batches for item in b.events) == 6:
+                    break
+            call.cancel()
+        assert not batches[0].events  # the start mark
+        sizes = [len(response.events) for response in batches[1:]]
+        assert max(sizes) == 16 and all(0 < size <= 16 for size in sizes), sizes
+        assert all(response.cursor == response.events[-1].cursor for response in batches[1:])
+        flat = [item for response in batches for item in response.events]
+        # the client yields the same events, one by one
+        one_by_one = await collect(served.client.subscribe(after_cursor=OLDEST), finished_count(6))
+        assert [item for item in one_by_one if item.HasField("event")] == flat
+    finally:
+        await served.stop()
+
+
+def test_a_batch_stops_short_of_a_mebibyte_and_a_larger_event_comes_alone() -> None:
+    def entry(position: int, size: int) -> FeedEntry:
+        return FeedEntry(
+            position=position,
+            job_id="j",
+            attempt=1,
+            kind="model_turn",
+            status=v1.JOB_STATUS_RUNNING,
+            handler="math",
+            group_id="",
+            labels={},
+            store_time=0.0,
+            event=b"x" * size,
+        )
+
+    sizes = [400_000, 400_000, 400_000, 3_000_000, 10, 10]
+    batches = list(batches_of(entry(index + 1, size) for index, size in enumerate(sizes)))
+    assert [[item.position for item in batch] for batch in batches] == [[1, 2], [3], [4], [5, 6]]
+    assert all(sum(len(item.event) for item in batch) <= MAX_RESPONSE_BYTES for batch in batches if len(batch) > 1)
 
 
 async def test_resuming_after_a_cursor_gives_the_rest_exactly_once(served: Served) -> None:
@@ -250,7 +297,7 @@ async def test_a_consumer_that_falls_behind_gets_resource_exhausted_and_a_cursor
         assert "max_lag_events" in caught.value.details
         # the last response delivered: the last received, or the one before when the send under
         # way was given up but still reached the client (a duplicate on resuming, never a gap)
-        assert caught.value.resume_cursor in (received[-1].cursor, received[-2].cursor)
+        assert caught.value.resume_cursor in {item.cursor for item in received}
         await runs
         # resuming from the last cursor received gives the rest (a fast reader now), nothing twice
         total = await collect(served.client.subscribe(after_cursor=OLDEST), finished_count(40))
@@ -288,7 +335,7 @@ class StalledContext:
 
     def __init__(self, accepted: int) -> None:
         self.accepted = accepted
-        self.written: list[v1.SubscribeResponse] = []
+        self.written: list[v1.SubscribeResponse] = []  # the wire's messages: batches of events
         self.blocked = asyncio.Event()
 
     async def write(self, response: v1.SubscribeResponse) -> None:
@@ -314,13 +361,15 @@ async def test_a_consumer_that_stops_reading_is_ended_once_events_pile_up(tmp_pa
         subscription = asyncio.ensure_future(
             servicer.Subscribe(v1.SubscribeRequest(after_cursor=OLDEST), cast(Any, context))
         )
-        await asyncio.wait_for(context.blocked.wait(), 10)  # the start mark, one event, then stuck
-        assert not subscription.done()  # nothing new: a stalled consumer costs nothing, and is kept
+        await assert_eventually(lambda: len(context.written) == 2)  # the start mark, a batch of both events
+        await produce("second", 1)
+        await asyncio.wait_for(context.blocked.wait(), 10)  # the next send does not complete
+        assert not subscription.done()  # little lag: a stalled consumer costs nothing, and is kept
         await produce("more", 30)
         with pytest.raises(ConsumerTooSlow) as caught:
             await asyncio.wait_for(subscription, 10)
         assert caught.value.metadata[RESUME_CURSOR_KEY] == context.written[-1].cursor  # the last delivered
-        assert [response.event.seq for response in context.written[1:]] == [1]
+        assert [[item.event.seq for item in response.events] for response in context.written] == [[], [1, 2]]
         await assert_eventually(lambda: feed._streams == 0)
     finally:
         await feed.close()

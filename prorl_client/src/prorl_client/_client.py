@@ -261,10 +261,12 @@ class Client:
         labels: Mapping[str, str] | None = None,
         statuses: Sequence[v1.JobStatus] = (),
         event_kinds: Sequence[str] = (),
-    ) -> AsyncGenerator[v1.SubscribeResponse, None]:
-        """The events of every job that match the filter, from the service's feed, each with
-        its cursor (a response without an event is a progress mark). after_cursor: "" from
-        now, "oldest" from the oldest kept, or a response's cursor to go on after it."""
+    ) -> AsyncGenerator[v1.FeedEvent, None]:
+        """The events of every job that match the filter, from the service's feed, one
+        FeedEvent each with its cursor; a progress mark (no event matched up to a cursor)
+        is a FeedEvent with only a cursor. The server sends events in batches
+        (SubscribeResponse.events); this yields them one by one. after_cursor: "" from
+        now, "oldest" from the oldest kept, or a cursor yielded to go on after it."""
         request = v1.SubscribeRequest(
             filter=v1.EventFilter(
                 handlers=handlers,
@@ -276,11 +278,14 @@ class Client:
             after_cursor=after_cursor,
         )
         async for response in _stream(self._rollouts.Subscribe(request, metadata=self._metadata)):
-            yield response
+            if not response.events:
+                yield v1.FeedEvent(cursor=response.cursor)
+            for event in response.events:
+                yield event
 
     async def follow_feed(
         self, *, after_cursor: str = "", retries: int = 5, backoff_s: float = 0.2, **filter: Any
-    ) -> AsyncIterator[v1.SubscribeResponse]:
+    ) -> AsyncIterator[v1.FeedEvent]:
         """Like `subscribe`, but goes on after the stream ends with UNAVAILABLE (its server
         went away; on a channel over servers sharing a store, another one takes over) or
         RESOURCE_EXHAUSTED (this consumer fell behind): Subscribe again after the last

@@ -147,7 +147,7 @@ class TailOptions:
     """Failed resumptions in a row before giving up (see Client.follow_feed)."""
 
 
-Item = v1.SubscribeResponse | Exception
+Item = v1.FeedEvent | Exception
 
 
 def _backoff(failures: int) -> float:
@@ -296,7 +296,7 @@ class Tail:
         item, self._getter = self._getter.result(), None
         return item
 
-    async def _take(self, response: v1.SubscribeResponse) -> bool:
+    async def _take(self, response: v1.FeedEvent) -> bool:
         """Write a response's record, if it has one; True when it had. The cursor moves past
         a response once it is written, not before."""
         if not (response.HasField("event") and response.event.HasField("finished")):

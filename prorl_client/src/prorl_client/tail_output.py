@@ -136,12 +136,12 @@ def load_position(path: Path, *, output_format: str, wanted: TailFilter) -> Posi
 # --- Records ---------------------------------------------------------------------------
 
 
-def _job_fields(response: v1.SubscribeResponse) -> dict[str, Any]:
+def _job_fields(response: v1.FeedEvent) -> dict[str, Any]:
     """The job's handler, group and labels, as the feed's response carries them."""
     return {"handler": response.handler, "group_id": response.group_id, "labels": dict(response.labels)}
 
 
-def json_record(response: v1.SubscribeResponse) -> dict[str, Any]:
+def json_record(response: v1.FeedEvent) -> dict[str, Any]:
     """A JSONL line: the feed's fields, the job's, then the fields of a `prorl run` line."""
     result = response.event.finished.result
     fields = _job_fields(response)
@@ -205,7 +205,7 @@ def parquet_schema(pa: Any) -> Any:
     )
 
 
-def parquet_row(response: v1.SubscribeResponse) -> dict[str, Any]:
+def parquet_row(response: v1.FeedEvent) -> dict[str, Any]:
     """A Parquet row: the JSONL record's fields, typed (snake_case throughout, timing in
     seconds, details as a JSON text)."""
     result = response.event.finished.result
@@ -264,7 +264,7 @@ class Sink(Protocol):
     def recover(self, saved: Position | None) -> Position | None:
         """Open the output; the position to go on from (None: nothing written yet)."""
 
-    def append(self, response: v1.SubscribeResponse) -> None: ...
+    def append(self, response: v1.FeedEvent) -> None: ...
 
     def sync(self) -> int:
         """Make everything appended durable; the output's extent."""
@@ -321,7 +321,7 @@ class JsonlSink:
                 position = Position(cursor, position.extent + len(line), position.records + 1)
         return position
 
-    def append(self, response: v1.SubscribeResponse) -> None:
+    def append(self, response: v1.FeedEvent) -> None:
         assert self._file is not None
         self._file.write(json.dumps(json_record(response)).encode() + b"\n")
         self._file.flush()
@@ -379,7 +379,7 @@ class ParquetSink:
         self._parts = len(parts)
         return position if position.cursor else None
 
-    def append(self, response: v1.SubscribeResponse) -> None:
+    def append(self, response: v1.FeedEvent) -> None:
         self._rows.append(parquet_row(response))
 
     def sync(self) -> int:

@@ -2,8 +2,9 @@
 // per matching event on stdout, and a cursor file that lets it stop and go on
 // later without a gap or a duplicate.
 //
-// The cursor of every message processed (an event printed, or a progress mark:
-// no event matched up to there) is written to -cursor-file atomically (a
+// Events come in batches (SubscribeResponse.events). The cursor of every event
+// printed, and of every progress mark (no event matched up to there), is
+// written to -cursor-file atomically (a
 // temporary file, fsync, rename). At start, a non-empty cursor file says where
 // to go on; without one, -from says where to begin ("now" or "oldest").
 //
@@ -15,8 +16,8 @@
 // status 3 and says what to do; other errors exit 1.
 //
 // It stops (status 0) after -max-events events, after -idle without an
-// event, or on SIGINT/SIGTERM: the message being processed is printed and its
-// cursor saved first, so a stopped consumer started again with the same
+// event, or on SIGINT/SIGTERM: the batch being processed is printed and its
+// cursors saved first, so a stopped consumer started again with the same
 // cursor file prints each event once. Killed with SIGKILL, the one event
 // printed but not yet saved would be printed again.
 //
@@ -248,31 +249,45 @@ func (c *consumer) follow(ctx context.Context) (string, string, error) {
 				}
 				return "", trailer, m.err
 			}
-			if err := c.process(m.response); err != nil {
+			done, err := c.process(m.response)
+			if err != nil {
 				log.Fatalf("save the cursor: %v", err)
 			}
-			if c.maxEvents > 0 && c.events >= c.maxEvents {
+			if done {
 				return fmt.Sprintf("-max-events %d reached", c.maxEvents), "", nil
 			}
 		}
 	}
 }
 
-// process prints an event (a progress mark prints nothing), then saves its cursor.
-func (c *consumer) process(response *prorlv1.SubscribeResponse) error {
-	if event := response.GetEvent(); event != nil {
-		line, err := json.Marshal(describe(response))
+// process prints the response's events (a batch; a progress mark has none),
+// saving the cursor after each, so that a restart goes on after the last one
+// printed. It reports done once -max-events events are printed, even within a
+// batch.
+func (c *consumer) process(response *prorlv1.SubscribeResponse) (bool, error) {
+	if len(response.Events) == 0 {
+		c.cursor = response.Cursor
+		return false, saveCursor(c.file, c.cursor)
+	}
+	for _, item := range response.Events {
+		line, err := json.Marshal(describe(item))
 		if err != nil {
-			return err
+			return false, err
 		}
 		if _, err := os.Stdout.Write(append(line, '\n')); err != nil {
-			return err
+			return false, err
 		}
 		c.events++
 		c.lastEvent = time.Now()
+		c.cursor = item.Cursor
+		if err := saveCursor(c.file, c.cursor); err != nil {
+			return false, err
+		}
+		if c.maxEvents > 0 && c.events >= c.maxEvents {
+			return true, nil
+		}
 	}
-	c.cursor = response.Cursor
-	return saveCursor(c.file, c.cursor)
+	return false, nil
 }
 
 type output struct {
@@ -286,15 +301,15 @@ type output struct {
 	Reward    *float64 `json:"reward,omitempty"`
 }
 
-func describe(response *prorlv1.SubscribeResponse) output {
-	event := response.GetEvent()
+func describe(item *prorlv1.FeedEvent) output {
+	event := item.GetEvent()
 	line := output{
 		JobID:     event.JobId,
 		Seq:       event.Seq,
 		Kind:      kind(event),
-		Attempt:   response.Attempt,
-		Cursor:    response.Cursor,
-		StoreTime: response.GetStoreTime().AsTime().Format(time.RFC3339Nano),
+		Attempt:   item.Attempt,
+		Cursor:    item.Cursor,
+		StoreTime: item.GetStoreTime().AsTime().Format(time.RFC3339Nano),
 	}
 	if finished := event.GetFinished(); finished != nil {
 		reward := finished.GetResult().GetReward()

@@ -163,6 +163,8 @@ class RolloutServiceServicer:
         UNAVAILABLE) carry trailing metadata `prorl-resume-cursor`: the cursor of
         the last response the transport took, which may be one behind the last
         the client received. Resume from your own last cursor: exactly once.
+        Events come in batches (SubscribeResponse.events), so a consumer that
+        keeps up costs one message per few events, not one per event.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
