@@ -19,7 +19,7 @@ What it measures, in one run:
    last cursor if its stream ends with RESOURCE_EXHAUSTED (counted). Per consumer: events,
    the rate the store took them (over the batch: first to last store_time of all events), the
    rate delivered while the batch ran (received before its end), how long the rest took, and
-   the delivery delay (receive time - the response's store_time) p50/p95/max. The CPU of
+   the delivery delay (receive time - the event's store_time) p50/p95/max. The CPU of
    the server process, of its sandboxes (its reaped children), of this process and of the
    rest of the machine (shared: others' load shows there; it is also measured before).
    Then, on the second server, idle: a catch-up read of the whole retained feed from
@@ -27,7 +27,7 @@ What it measures, in one run:
 2. Memory: two more fresh servers, the same --mem-jobs batch, phases.run = --light and
    subscribe.max_lag_events = --max-lag on both: VmRSS of the server from /proc/<pid>/status
    every 0.1 s, (a) with no subscriber, (b) with one consumer of every event that reads one
-   message per --slow-ms (on a channel of its own without BDP probing, see memory()) and ends
+   event per --slow-ms (on a channel of its own without BDP probing, see memory()) and ends
    with RESOURCE_EXHAUSTED; start (idle after a warm-up, before the batch), peak, end (the
    batch done, the slow consumer ended, --settle s later).
 
@@ -35,7 +35,7 @@ Checks (exit status 1 when one fails): every job SUCCEEDED with reward 1; each c
 each of its events once, in order (cursor positions that only grow), the every-event one each
 job's events 1..n, the finished-only one every job's `finished`; the catch-up reads got the
 same events as the live consumers; the slow consumer ended with RESOURCE_EXHAUSTED and a
-non-empty cursor, not beyond the last message it received; every server exited 0 on SIGTERM.
+non-empty cursor, not beyond the last event it received; every server exited 0 on SIGTERM.
 
 Usage: python bench/feed.py [--jobs N] [--turns T] [--concurrency C] [--light R] [--mem-jobs N]
        [--max-lag M] [--slow-ms MS] [--settle S]   (make bench-feed)
@@ -387,7 +387,7 @@ async def catch_up(client: Client, last_position: int, **filter: Any) -> tuple[R
 
 
 async def slow_consumer(client: Client, received: Received, delay_s: float, started: asyncio.Event) -> None:
-    """Every event, one message per delay_s, until the stream ends (RESOURCE_EXHAUSTED, we expect)."""
+    """Every event, one event per delay_s, until the stream ends (RESOURCE_EXHAUSTED, we expect)."""
     try:
         async with contextlib.aclosing(client.subscribe()) as stream:
             async for response in stream:
@@ -555,7 +555,7 @@ async def memory(args: argparse.Namespace, label: str, slow: bool) -> Memory:
         # gRPC's initial 64 KiB. With probing (the default), the window of a client that reads
         # slowly can grow until it holds the whole backlog, sent and counted as delivered by the
         # server: the server then ends the stream on time, but the consumer reads that backlog
-        # (a minute and more at 20 messages/s) before it sees the status.
+        # (a minute and more at 20 events/s) before it sees the status.
         slow_client = Client.connect(server.address, options=[("grpc.http2.bdp_probe", 0)])
         try:
             if received is not None:
@@ -590,7 +590,7 @@ async def memory(args: argparse.Namespace, label: str, slow: bool) -> Memory:
         if ended is None or ended.code != grpc.StatusCode.RESOURCE_EXHAUSTED or not ended.resume_cursor:
             problems.append(f"the slow consumer did not end with RESOURCE_EXHAUSTED and a cursor: {ended!r}")
         elif decode_cursor(ended.resume_cursor)[1] > decode_cursor(received.last_cursor)[1]:
-            problems.append("the slow consumer's resume cursor is beyond the last message it received")
+            problems.append("the slow consumer's resume cursor is beyond the last event it received")
     return Memory(
         label=label,
         start_mib=start,
@@ -691,8 +691,8 @@ def report_memory(results: list[Memory], args: argparse.Namespace) -> None:
         position = decode_cursor(ended.resume_cursor)[1] if ended.resume_cursor else 0
         again = sum(event[0] > position for event in result.slow.events)
         print(
-            f"slow consumer ({args.slow_ms} ms per message): {got} events, then {ended.code.name} with resume cursor "
-            f"{ended.resume_cursor or '(none)'} (position {position}; the last message received: "
+            f"slow consumer ({args.slow_ms} ms per event): {got} events, then {ended.code.name} with resume cursor "
+            f"{ended.resume_cursor or '(none)'} (position {position}; the last event received: "
             f"{decode_cursor(result.slow.last_cursor)[1]}; events received after the resume cursor, which a resume "
             f"from it would give again: {again}): {ended.details[:110]}..."
         )
@@ -755,7 +755,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--mem-jobs", type=int, default=150, help="jobs in each memory batch")
     parser.add_argument("--max-lag", type=int, default=1000, help="subscribe.max_lag_events of the memory servers")
-    parser.add_argument("--slow-ms", type=int, default=50, help="the slow consumer's pause after each message")
+    parser.add_argument("--slow-ms", type=int, default=50, help="the slow consumer's pause after each event")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds idle before the start and end readings")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
