@@ -151,6 +151,7 @@ class ProrlServer:
             gateway_port=lambda: self.gateway_port,
             gateway_host=_host_of(settings.cluster.advertise_address) or settings.server.host,
         )
+        self._feed = Feed(self._store, settings.subscribe)
         self.manager = JobManager(
             settings=settings,
             registry=self._registry,
@@ -161,9 +162,9 @@ class ProrlServer:
             handover=self._hand_back if cluster else None,
             # A cluster's watchers see an event once it is stored: write them sooner.
             flush_interval_s=CLUSTER_FLUSH_INTERVAL_S if cluster else FLUSH_INTERVAL_S,
+            on_stored=self._feed.nudge,
         )
         await self.manager.restore()
-        self._feed = Feed(self._store, settings.subscribe)
         await self._feed.start()
         if settings.server.metrics_port is not None:
             self.metrics.watch(self.stats)

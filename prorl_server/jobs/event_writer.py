@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -58,8 +58,12 @@ class EventWriter:
         flush_events: int = FLUSH_EVENTS,
         flush_interval_s: float = FLUSH_INTERVAL_S,
         max_pending: int = MAX_PENDING,
+        on_written: Callable[[], None] | None = None,
     ) -> None:
+        """`on_written`: called after each flush that stored events (the event feed reads
+        the store's head at once rather than at its next poll)."""
         self._store = store
+        self._on_written = on_written
         self._flush_events = max(flush_events, 1)
         self._flush_interval_s = flush_interval_s
         self._max_pending = max(max_pending, 1)
@@ -186,6 +190,7 @@ class EventWriter:
             by_job.setdefault(event.job_id, []).append(event)
         self._writing = set(by_job)
         retry: list[v1.RolloutEvent] = []
+        stored = False
         for job_id, events in by_job.items():
             if job_id not in self._followed:  # finished meanwhile: its `finished` write has them
                 self._done_writing(job_id)
@@ -201,8 +206,11 @@ class EventWriter:
                 self._failed(exc, job_id, events)
             else:
                 self.batches += 1
+                stored = True
             finally:
                 self._done_writing(job_id)
+        if stored and self._on_written is not None:
+            self._on_written()
         if retry:
             self._pending.extendleft(reversed(retry))
             self._trim()

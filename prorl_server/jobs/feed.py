@@ -19,7 +19,8 @@ when the stream has caught up and read past events that did not match.
 Ending a stream (the cursor in the trailing metadata `prorl-resume-cursor`, the
 last one sent):
 - RESOURCE_EXHAUSTED (ConsumerTooSlow): the consumer has fallen behind. The lag
-  of a stream is how far the head is ahead of the event it is sending; the
+  of a stream is how far the head is ahead of the last event of the response it
+  is sending; the
   stream ends when the lag exceeds the smallest lag it has had by more than
   `subscribe.max_lag_events`. A consumer reading a long backlog is not ended for
   the backlog, only for losing ground. Nothing is buffered for a subscriber but
@@ -29,7 +30,8 @@ last one sent):
   (`subscribe.retain_s`), at the start or while the stream was behind.
 
 One poller per server reads the feed's head while any stream is open, every
-`subscribe.poll_interval_s`, and wakes the streams waiting for it. Trimming
+`subscribe.poll_interval_s`, and at once (at most every MIN_POLL_GAP_S) when this
+server's own jobs stored events (`nudge`), and wakes the streams waiting for it. Trimming
 runs at start and every tenth of the retention (at most hourly).
 """
 
@@ -58,9 +60,13 @@ RESUME_CURSOR_KEY = "prorl-resume-cursor"
 EVENT_KINDS = frozenset(field.name for field in v1.RolloutEvent.DESCRIPTOR.oneofs_by_name["kind"].fields)
 PROGRESS_INTERVAL_S = 1.0
 MAX_TRIM_INTERVAL_S = 3600.0
+MIN_POLL_GAP_S = 0.05
 MAX_RESPONSE_BYTES = 1 << 20
-"""A response's events stop short of this many bytes (as stored), far below gRPC's 4 MiB
-default message limit; a page (subscribe.page_size events) bounds their number."""
+"""A response's encoded size stays within this (an event larger than it comes alone), far
+below the 4 MiB that gRPC clients accept by default; a page (subscribe.page_size events)
+bounds the number of its events."""
+FRAMING_BYTES = 8
+"""A field's tag and length prefix, at most (for the sizes counted here)."""
 
 
 def encode_cursor(store_id: str, position: int) -> str:
@@ -77,7 +83,7 @@ def decode_cursor(cursor: str) -> tuple[str, int]:
         found, store_id = -1, ""
     if not store_id or found < 0:
         raise InvalidArgument(
-            f"after_cursor {cursor[:64]!r} is not a cursor: pass the `cursor` of a SubscribeResponse, "
+            f"after_cursor {cursor[:64]!r} is not a cursor: pass the `cursor` of a SubscribeResponse or FeedEvent, "
             f'"" (from now) or "{OLDEST}"'
         )
     return store_id, found
@@ -130,6 +136,7 @@ class Feed:
         self._settings = settings
         self._head = 0
         self._moved = asyncio.Event()
+        self._nudged = asyncio.Event()
         self._streams = 0
         self._poller: asyncio.Task[None] | None = None
         self._trimmer: asyncio.Task[None] | None = None
@@ -148,9 +155,15 @@ class Feed:
 
     # --- the head ------------------------------------------------------------------------
 
+    def nudge(self) -> None:
+        """This server stored events: read the head now rather than at the next poll (events
+        other servers store are seen at the poll)."""
+        self._nudged.set()
+
     async def _poll(self) -> None:
         assert self._store is not None
         while self._streams > 0:
+            self._nudged.clear()
             try:
                 head = (await self._store.feed_bounds()).head
             except Exception as exc:  # the store is down: streams wait, the poller goes on
@@ -160,7 +173,10 @@ class Feed:
                     self._head = head
                     self._moved.set()
                     self._moved = asyncio.Event()
-            await asyncio.sleep(self._settings.poll_interval_s)
+            await asyncio.sleep(MIN_POLL_GAP_S)  # nudges in a burst: one read
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._settings.poll_interval_s):
+                    await self._nudged.wait()
         self._poller = None
 
     def _open_stream(self, head: int) -> None:
@@ -273,7 +289,7 @@ class Subscription:
         return ConsumerTooSlow(
             f"this subscriber fell {lost} events further behind the feed than it was "
             f"(subscribe.max_lag_events = {self._settings.max_lag_events}); resume from the cursor of the last "
-            f"response you processed (or the trailing metadata `{RESUME_CURSOR_KEY}`, the last one delivered), "
+            f"event you processed (or the trailing metadata `{RESUME_CURSOR_KEY}`, the last response delivered), "
             "with a faster consumer or a narrower filter",
             metadata={RESUME_CURSOR_KEY: self.cursor()},
         )
@@ -303,20 +319,17 @@ class Subscription:
                 log.warning("feed_read_failed", error=str(exc))
                 raise Unavailable(
                     f"the job store cannot be read now ({type(exc).__name__}); resume from the cursor of the last "
-                    f"response you processed (or the trailing metadata `{RESUME_CURSOR_KEY}`)",
+                    f"event you processed (or the trailing metadata `{RESUME_CURSOR_KEY}`)",
                     metadata={RESUME_CURSOR_KEY: self.cursor()},
                 ) from None
             if page.trimmed > scanned:
                 raise self._feed._expired(store_id, self._sent, page.trimmed)
-            for batch in batches_of(entry for entry in page.entries if self._wanted.matches(entry)):
-                last = batch[-1].position
+            for last, batch in batches_of(store_id, (e for e in page.entries if self._wanted.matches(e))):
                 lost = self._lost_ground(last)
                 if lost > settings.max_lag_events:
                     raise self.too_slow(lost)
                 self._sending = last
-                yield v1.SubscribeResponse(
-                    events=[_feed_event(store_id, entry) for entry in batch], cursor=encode_cursor(store_id, last)
-                )
+                yield v1.SubscribeResponse(events=batch, cursor=encode_cursor(store_id, last))
                 last_message = time.monotonic()
             scanned = page.scanned
             if len(page.entries) == settings.page_size:
@@ -334,19 +347,25 @@ class Subscription:
             await self._feed._beyond(scanned)
 
 
-def batches_of(entries: Iterable[FeedEntry]) -> Iterator[list[FeedEntry]]:
-    """Entries in runs of at most MAX_RESPONSE_BYTES of events (an event larger than that
-    alone): one response each."""
-    batch: list[FeedEntry] = []
-    size = 0
+def batches_of(store_id: str, entries: Iterable[FeedEntry]) -> Iterator[tuple[int, list[v1.FeedEvent]]]:
+    """The entries as FeedEvents in runs of one response each, with the position of each
+    run's last entry: a run's encoded size (cursor, labels and all) stays within
+    MAX_RESPONSE_BYTES; an event larger than that comes alone."""
+    batch: list[v1.FeedEvent] = []
+    size = last = 0
     for entry in entries:
-        if batch and size + len(entry.event) > MAX_RESPONSE_BYTES:
-            yield batch
+        item = _feed_event(store_id, entry)
+        item_size = item.ByteSize() + FRAMING_BYTES
+        if batch and size + item_size > MAX_RESPONSE_BYTES:
+            yield last, batch
             batch, size = [], 0
-        batch.append(entry)
-        size += len(entry.event)
+        if not batch:
+            size = FRAMING_BYTES + len(item.cursor)  # the response's own cursor
+        batch.append(item)
+        size += item_size
+        last = entry.position
     if batch:
-        yield batch
+        yield last, batch
 
 
 def _feed_event(store_id: str, entry: FeedEntry) -> v1.FeedEvent:

@@ -58,18 +58,24 @@ class JobManager:
         persist_retry_s: float = 0.0,
         handover: Callable[[JobRecord], None] | None = None,
         flush_interval_s: float = FLUSH_INTERVAL_S,
+        on_stored: Callable[[], None] | None = None,
     ) -> None:
         """`persist_retry_s`: how long a job's final write is retried while the store
         fails (0: tried once). `handover`: called for each job still running when
         shutdown cancels it (a cluster gives it to a peer instead). `flush_interval_s`:
-        the longest a running job's event waits before it is written to the store."""
+        the longest a running job's event waits before it is written to the store.
+        `on_stored`: called after each write that added events to the store (the event
+        feed's nudge)."""
+        self._on_stored = on_stored
         self._settings = settings
         self._persist_retry_s = persist_retry_s
         self._handover = handover
         self._registry = registry
         self._metrics = metrics
         self._store = store
-        self._writer = EventWriter(store, flush_interval_s=flush_interval_s) if store is not None else None
+        self._writer = (
+            EventWriter(store, flush_interval_s=flush_interval_s, on_written=on_stored) if store is not None else None
+        )
         self._pipeline = pipeline
         self._jobs: dict[str, JobRecord] = {}
         self._finished: collections.deque[str] = collections.deque()
@@ -220,12 +226,17 @@ class JobManager:
                         job.job_id, job.status, job.end_time or time.time(), result, job.events.events()
                     )
             job.events.mark_durable(job.events.last_seq)
+            self._stored()
         except JobNotHeld as exc:  # another server took it over: its outcome is the one that counts
             log.warning("job_outcome_not_recorded", error=exc.message)
             job.events.lose_durability()
         except Exception as exc:  # the job's outcome stands in memory; say why it is not durable
             log.error("job_store_write_failed", error=str(exc))
             job.events.lose_durability()
+
+    def _stored(self) -> None:
+        if self._on_stored is not None:
+            self._on_stored()
 
     async def restore(self) -> int:
         """Load the store: finished jobs come back as they were; jobs that were

@@ -172,7 +172,9 @@ async def test_a_backlog_comes_in_batches_each_with_the_cursor_of_its_last_event
         await served.stop()
 
 
-def test_a_batch_stops_short_of_a_mebibyte_and_a_larger_event_comes_alone() -> None:
+def test_a_response_stays_within_a_mebibyte_labels_and_all_and_a_larger_event_comes_alone() -> None:
+    labels = {f"key-{index:03}": "v" * 250 for index in range(64)}  # 16 KB of labels on every event
+
     def entry(position: int, size: int) -> FeedEntry:
         return FeedEntry(
             position=position,
@@ -181,16 +183,30 @@ def test_a_batch_stops_short_of_a_mebibyte_and_a_larger_event_comes_alone() -> N
             kind="model_turn",
             status=v1.JOB_STATUS_RUNNING,
             handler="math",
-            group_id="",
-            labels={},
+            group_id="g",
+            labels=labels,
             store_time=0.0,
-            event=b"x" * size,
+            event=v1.RolloutEvent(
+                job_id="j", seq=position, model_turn=v1.ModelTurn(text="x" * size)
+            ).SerializeToString(),
         )
 
-    sizes = [400_000, 400_000, 400_000, 3_000_000, 10, 10]
-    batches = list(batches_of(entry(index + 1, size) for index, size in enumerate(sizes)))
-    assert [[item.position for item in batch] for batch in batches] == [[1, 2], [3], [4], [5, 6]]
-    assert all(sum(len(item.event) for item in batch) <= MAX_RESPONSE_BYTES for batch in batches if len(batch) > 1)
+    sizes = [10] * 100 + [400_000, 400_000, 400_000, 3_000_000, 10, 10]
+    batches = list(batches_of("store", (entry(index + 1, size) for index, size in enumerate(sizes))))
+    responses = [v1.SubscribeResponse(events=batch, cursor=batch[-1].cursor) for _, batch in batches]
+    for (last, batch), response in zip(batches, responses, strict=True):
+        assert decode_cursor(batch[-1].cursor) == ("store", last)
+        assert response.ByteSize() <= MAX_RESPONSE_BYTES or len(batch) == 1, (len(batch), response.ByteSize())
+    # the small events' labels alone fill a response: they are split although each event is tiny
+    assert [len(batch) for _, batch in batches][:2] == [len(batches[0][1]), 100 - len(batches[0][1])]
+    assert 50 < len(batches[0][1]) < 100
+    big = [
+        index
+        for index, (_, batch) in enumerate(batches)
+        if any(len(i.event.model_turn.text) == 3_000_000 for i in batch)
+    ]
+    assert len(batches[big[0]][1]) == 1  # the event over the limit comes alone
+    assert [item.event.seq for _, batch in batches for item in batch] == list(range(1, len(sizes) + 1))
 
 
 async def test_resuming_after_a_cursor_gives_the_rest_exactly_once(served: Served) -> None:
@@ -296,8 +312,10 @@ async def test_a_consumer_that_falls_behind_gets_resource_exhausted_and_a_cursor
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_lag_events" in caught.value.details
         # the last response delivered: the last received, or the one before when the send under
-        # way was given up but still reached the client (a duplicate on resuming, never a gap)
-        assert caught.value.resume_cursor in {item.cursor for item in received}
+        # way was given up but still reached the client (a duplicate on resuming, never a gap).
+        # Responses hold at most page_size (8) events, so it is among the last 16 cursors (a
+        # response's own cursor is its last event's, here).
+        assert caught.value.resume_cursor in {item.cursor for item in received[-16:]}
         await runs
         # resuming from the last cursor received gives the rest (a fast reader now), nothing twice
         total = await collect(served.client.subscribe(after_cursor=OLDEST), finished_count(40))
@@ -374,3 +392,48 @@ async def test_a_consumer_that_stops_reading_is_ended_once_events_pile_up(tmp_pa
     finally:
         await feed.close()
         await store.close()
+
+
+class BatchesStub:
+    """A RolloutService stub whose Subscribe replays given responses (the wire's batches)."""
+
+    def __init__(self, responses: list[v1.SubscribeResponse]) -> None:
+        self.responses = responses
+
+    def Subscribe(self, request: v1.SubscribeRequest, metadata: Any = None) -> AsyncIterator[v1.SubscribeResponse]:  # noqa: N802
+        async def replay() -> AsyncIterator[v1.SubscribeResponse]:
+            for response in self.responses:
+                yield response
+
+        return replay()
+
+
+async def test_the_client_yields_a_batch_event_by_event_then_a_mark_past_it_when_the_cursor_is_further() -> None:
+    def item(cursor: str, seq: int) -> v1.FeedEvent:
+        return v1.FeedEvent(cursor=cursor, event=v1.RolloutEvent(job_id="j", seq=seq))
+
+    responses = [
+        v1.SubscribeResponse(cursor="c0"),  # the start mark
+        v1.SubscribeResponse(cursor="c2", events=[item("c1", 1), item("c2", 2)]),
+        v1.SubscribeResponse(cursor="c9", events=[item("c3", 3)]),  # read past non-matching events up to c9
+    ]
+    client = Client.connect("127.0.0.1:1")
+    client._rollouts = cast(Any, BatchesStub(responses))
+    try:
+        got = [(item.cursor, item.event.seq if item.HasField("event") else None) async for item in client.subscribe()]
+    finally:
+        await client.close()
+    assert got == [("c0", None), ("c1", 1), ("c2", 2), ("c3", 3), ("c9", None)]
+
+
+async def test_events_the_server_stores_wake_its_streams_without_waiting_for_the_poll(tmp_path: Path) -> None:
+    served = Served(tmp_path / "jobs.sqlite", poll_interval_s=600)  # the poll alone would take ten minutes
+    await served.start()
+    try:
+        stream = served.client.subscribe(event_kinds=["finished"])
+        await anext(stream)  # the start mark: the stream is open and its poller has read the head
+        await served.run(2, prefix="n")
+        got = await collect(stream, finished_count(2), timeout_s=60)
+        assert sorted(event.job_id for event in events_of(got)) == ["n-0", "n-1"]
+    finally:
+        await served.stop()

@@ -278,10 +278,10 @@ class Client:
             after_cursor=after_cursor,
         )
         async for response in _stream(self._rollouts.Subscribe(request, metadata=self._metadata)):
-            if not response.events:
-                yield v1.FeedEvent(cursor=response.cursor)
             for event in response.events:
                 yield event
+            if not response.events or response.cursor != response.events[-1].cursor:
+                yield v1.FeedEvent(cursor=response.cursor)  # a progress mark (past the events)
 
     async def follow_feed(
         self, *, after_cursor: str = "", retries: int = 5, backoff_s: float = 0.2, **filter: Any

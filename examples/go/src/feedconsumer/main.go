@@ -2,10 +2,11 @@
 // per matching event on stdout, and a cursor file that lets it stop and go on
 // later without a gap or a duplicate.
 //
-// Events come in batches (SubscribeResponse.events). The cursor of every event
-// printed, and of every progress mark (no event matched up to there), is
-// written to -cursor-file atomically (a
-// temporary file, fsync, rename). At start, a non-empty cursor file says where
+// Events come in batches (SubscribeResponse.events). Once a batch is printed
+// (or a progress mark comes: no event matched up to there), its cursor is
+// written to -cursor-file atomically (a temporary file, fsync, rename): one
+// write per message, not per event, so the consumer keeps up with a fast
+// feed. At start, a non-empty cursor file says where
 // to go on; without one, -from says where to begin ("now" or "oldest").
 //
 // When the stream ends with RESOURCE_EXHAUSTED (this consumer fell behind) or
@@ -17,9 +18,9 @@
 //
 // It stops (status 0) after -max-events events, after -idle without an
 // event, or on SIGINT/SIGTERM: the batch being processed is printed and its
-// cursors saved first, so a stopped consumer started again with the same
-// cursor file prints each event once. Killed with SIGKILL, the one event
-// printed but not yet saved would be printed again.
+// cursor saved first, so a stopped consumer started again with the same
+// cursor file prints each event once. Killed with SIGKILL, the events of a
+// batch printed but not yet saved would be printed again.
 //
 // Usage:
 //
@@ -69,7 +70,7 @@ func main() {
 	flag.Var(&labels, "label", "only jobs carrying this label, key=value (repeat: all of them)")
 	flag.Var(&statuses, "status", "the job's status as of the event: queued, running, succeeded, failed, cancelled, timed_out (repeat or comma-separate)")
 	flag.Var(&kinds, "kinds", "event kinds, e.g. finished,model_turn (repeat or comma-separate)")
-	cursorFile := flag.String("cursor-file", "", "where to keep the cursor: read at start, rewritten after each message processed")
+	cursorFile := flag.String("cursor-file", "", "where to keep the cursor: read at start, rewritten after each message (a batch of events, or a progress mark) processed")
 	from := flag.String("from", "now", `where to begin without a saved cursor: "now" or "oldest"`)
 	maxEvents := flag.Int("max-events", 0, "stop after this many events (0: no limit)")
 	idle := flag.Duration("idle", 0, "stop after this long without an event, e.g. 30s (0: never)")
@@ -261,14 +262,10 @@ func (c *consumer) follow(ctx context.Context) (string, string, error) {
 }
 
 // process prints the response's events (a batch; a progress mark has none),
-// saving the cursor after each, so that a restart goes on after the last one
-// printed. It reports done once -max-events events are printed, even within a
-// batch.
+// then saves one cursor: the response's, or the last printed event's when
+// -max-events stops it within the batch (done is then true).
 func (c *consumer) process(response *prorlv1.SubscribeResponse) (bool, error) {
-	if len(response.Events) == 0 {
-		c.cursor = response.Cursor
-		return false, saveCursor(c.file, c.cursor)
-	}
+	cursor, done := response.Cursor, false
 	for _, item := range response.Events {
 		line, err := json.Marshal(describe(item))
 		if err != nil {
@@ -279,15 +276,13 @@ func (c *consumer) process(response *prorlv1.SubscribeResponse) (bool, error) {
 		}
 		c.events++
 		c.lastEvent = time.Now()
-		c.cursor = item.Cursor
-		if err := saveCursor(c.file, c.cursor); err != nil {
-			return false, err
-		}
 		if c.maxEvents > 0 && c.events >= c.maxEvents {
-			return true, nil
+			cursor, done = item.Cursor, true
+			break
 		}
 	}
-	return false, nil
+	c.cursor = cursor
+	return done, saveCursor(c.file, c.cursor)
 }
 
 type output struct {

@@ -154,12 +154,12 @@ class EventFilter(_message.Message):
     def __init__(self, handlers: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., statuses: _Optional[_Iterable[_Union[_rollout_pb2.JobStatus, str]]] = ..., event_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
-    __slots__ = ("events", "cursor")
-    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("cursor", "events")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
-    events: _containers.RepeatedCompositeFieldContainer[FeedEvent]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     cursor: str
-    def __init__(self, events: _Optional[_Iterable[_Union[FeedEvent, _Mapping]]] = ..., cursor: _Optional[str] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[FeedEvent]
+    def __init__(self, cursor: _Optional[str] = ..., events: _Optional[_Iterable[_Union[FeedEvent, _Mapping]]] = ...) -> None: ...
 
 class FeedEvent(_message.Message):
     __slots__ = ("cursor", "event", "attempt", "store_time", "handler", "group_id", "labels")

@@ -161,8 +161,9 @@ class RolloutServiceServicer:
         RESOURCE_EXHAUSTED; events deleted by retention, OUT_OF_RANGE; a server
         without a job store, FAILED_PRECONDITION. The first two (and
         UNAVAILABLE) carry trailing metadata `prorl-resume-cursor`: the cursor of
-        the last response the transport took, which may be one behind the last
-        the client received. Resume from your own last cursor: exactly once.
+        the last response the transport took, which may be one response (a batch
+        of events) behind the last the client received. Resume from your own last
+        cursor: exactly once.
         Events come in batches (SubscribeResponse.events), so a consumer that
         keeps up costs one message per few events, not one per event.
         """
