@@ -161,7 +161,7 @@ class _Stopped(Exception):
 
 class Tail:
     """Reads the feed ahead in one task, writes and saves in another (`run`), so the writer
-    can wait at once for a response, its next flush and a request to stop."""
+    can wait at once for an item of the feed, its next flush and a request to stop."""
 
     def __init__(self, client: Client, out: Path, sink: Sink, options: TailOptions, display: TailDisplay) -> None:
         self.client = client
@@ -227,11 +227,11 @@ class Tail:
         try:
             while True:
                 try:
-                    async for response in self.client.follow_feed(
+                    async for item in self.client.follow_feed(
                         after_cursor=after_cursor, retries=self.options.retries, **self.options.wanted.subscribe_args()
                     ):
-                        after_cursor, failures = response.cursor, 0
-                        await self._queue.put(response)
+                        after_cursor, failures = item.cursor, 0
+                        await self._queue.put(item)
                 except RpcError as exc:
                     if exc.code != grpc.StatusCode.CANCELLED or failures >= self.options.retries:
                         raise
@@ -287,7 +287,7 @@ class Tail:
         return True
 
     async def _next(self, stopping: asyncio.Future[Any], wait_s: float) -> Item | None:
-        """The next response or error; None when `wait_s` passes or a stop is asked for first."""
+        """The next item of the feed or error; None when `wait_s` passes or a stop is asked for first."""
         if self._getter is None:
             self._getter = asyncio.ensure_future(self._queue.get())
         done, _ = await asyncio.wait({self._getter, stopping}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
@@ -296,24 +296,24 @@ class Tail:
         item, self._getter = self._getter.result(), None
         return item
 
-    async def _take(self, response: v1.FeedEvent) -> bool:
-        """Write a response's record, if it has one; True when it had. The cursor moves past
-        a response once it is written, not before."""
-        if not (response.HasField("event") and response.event.HasField("finished")):
-            self.cursor = response.cursor
+    async def _take(self, item: v1.FeedEvent) -> bool:
+        """Write an item's record, if it has one; True when it had. The cursor moves past
+        an item once it is written, not before."""
+        if not (item.HasField("event") and item.event.HasField("finished")):
+            self.cursor = item.cursor
             if not self.pending:  # a progress mark with nothing unsaved before it
                 await self._save()
             return False
         try:
-            self.sink.append(response)
+            self.sink.append(item)
         except BaseException:
             self._sink_failed = True
             raise
-        self.cursor = response.cursor
+        self.cursor = item.cursor
         if not self.pending:
             self._pending_since = time.monotonic()
         self.pending += 1
-        self.display.record(response.store_time.ToNanoseconds() / 1e9)
+        self.display.record(item.store_time.ToNanoseconds() / 1e9)
         return True
 
     async def _unless_stopped(self, work: Awaitable[T]) -> T:

@@ -136,23 +136,23 @@ def load_position(path: Path, *, output_format: str, wanted: TailFilter) -> Posi
 # --- Records ---------------------------------------------------------------------------
 
 
-def _job_fields(response: v1.FeedEvent) -> dict[str, Any]:
-    """The job's handler, group and labels, as the feed's response carries them."""
-    return {"handler": response.handler, "group_id": response.group_id, "labels": dict(response.labels)}
+def _job_fields(item: v1.FeedEvent) -> dict[str, Any]:
+    """The job's handler, group and labels, as a feed event carries them."""
+    return {"handler": item.handler, "group_id": item.group_id, "labels": dict(item.labels)}
 
 
-def json_record(response: v1.FeedEvent) -> dict[str, Any]:
+def json_record(item: v1.FeedEvent) -> dict[str, Any]:
     """A JSONL line: the feed's fields, the job's, then the fields of a `prorl run` line."""
-    result = response.event.finished.result
-    fields = _job_fields(response)
+    result = item.event.finished.result
+    fields = _job_fields(item)
     run_fields = result_record(fields["group_id"] or "", 0, result, handler=fields["handler"] or "")
     # `prorl run` names the GRPO group after the task; the sample number exists in its job ids only.
     run_fields.update(task_id=fields["group_id"], sample=None, handler=fields["handler"])
     return {
-        "job_id": response.event.job_id,
-        "attempt": response.attempt,
-        "cursor": response.cursor,
-        "store_time": response.store_time.ToJsonString(),
+        "job_id": item.event.job_id,
+        "attempt": item.attempt,
+        "cursor": item.cursor,
+        "store_time": item.store_time.ToJsonString(),
         "group_id": fields["group_id"],
         "labels": fields["labels"],
         **run_fields,
@@ -205,18 +205,18 @@ def parquet_schema(pa: Any) -> Any:
     )
 
 
-def parquet_row(response: v1.FeedEvent) -> dict[str, Any]:
+def parquet_row(item: v1.FeedEvent) -> dict[str, Any]:
     """A Parquet row: the JSONL record's fields, typed (snake_case throughout, timing in
     seconds, details as a JSON text)."""
-    result = response.event.finished.result
+    result = item.event.finished.result
     trajectory = result.trajectory
     failure = result.failure
     return {
-        "job_id": response.event.job_id,
-        "attempt": response.attempt,
-        "cursor": response.cursor,
-        "store_time": response.store_time.ToDatetime(tzinfo=timezone.utc),  # noqa: UP017 (the client runs on 3.10)
-        **_job_fields(response),
+        "job_id": item.event.job_id,
+        "attempt": item.attempt,
+        "cursor": item.cursor,
+        "store_time": item.store_time.ToDatetime(tzinfo=timezone.utc),  # noqa: UP017 (the client runs on 3.10)
+        **_job_fields(item),
         "status": v1.JobStatus.Name(result.status),
         "reward": result.reward,
         "failure": {
@@ -264,7 +264,7 @@ class Sink(Protocol):
     def recover(self, saved: Position | None) -> Position | None:
         """Open the output; the position to go on from (None: nothing written yet)."""
 
-    def append(self, response: v1.FeedEvent) -> None: ...
+    def append(self, item: v1.FeedEvent) -> None: ...
 
     def sync(self) -> int:
         """Make everything appended durable; the output's extent."""
@@ -321,9 +321,9 @@ class JsonlSink:
                 position = Position(cursor, position.extent + len(line), position.records + 1)
         return position
 
-    def append(self, response: v1.FeedEvent) -> None:
+    def append(self, item: v1.FeedEvent) -> None:
         assert self._file is not None
-        self._file.write(json.dumps(json_record(response)).encode() + b"\n")
+        self._file.write(json.dumps(json_record(item)).encode() + b"\n")
         self._file.flush()
 
     def sync(self) -> int:
@@ -379,8 +379,8 @@ class ParquetSink:
         self._parts = len(parts)
         return position if position.cursor else None
 
-    def append(self, response: v1.FeedEvent) -> None:
-        self._rows.append(parquet_row(response))
+    def append(self, item: v1.FeedEvent) -> None:
+        self._rows.append(parquet_row(item))
 
     def sync(self) -> int:
         if self._rows:
