@@ -6,9 +6,8 @@ grows, in the order the store received it. A subscription reads it page by page
 filter matches, in batches (one response for the matches of a page, split
 when larger than MAX_RESPONSE_BYTES), then waits for the head to move and reads
 on. Every response and every event in it carries a cursor: the store's id and a
-position. Resuming after a cursor, on
-this server after a restart or on any server sharing the store, gives each
-matching event exactly once, in order.
+position. Resuming after a cursor, on this server after a restart or on any
+server sharing the store, gives each matching event exactly once, in order.
 
 Starting points: "" (from now: the head when the call arrives), "oldest" (the
 oldest event kept) or a cursor. The first message of every stream is a
@@ -20,10 +19,9 @@ Ending a stream (the cursor in the trailing metadata `prorl-resume-cursor`, the
 last one sent):
 - RESOURCE_EXHAUSTED (ConsumerTooSlow): the consumer has fallen behind. The lag
   of a stream is how far the head is ahead of the last event of the response it
-  is sending; the
-  stream ends when the lag exceeds the smallest lag it has had by more than
-  `subscribe.max_lag_events`. A consumer reading a long backlog is not ended for
-  the backlog, only for losing ground. Nothing is buffered for a subscriber but
+  is sending; the stream ends when the lag exceeds the smallest lag it has had
+  by more than `subscribe.max_lag_events`. A consumer reading a long backlog is
+  not ended for the backlog, only for losing ground. Nothing is buffered for a subscriber but
   the page it is sending (and what gRPC's flow-control window holds), so a slow
   consumer costs the server no memory; ending it frees its share of the store.
 - OUT_OF_RANGE: events after the cursor were deleted by retention
@@ -31,8 +29,8 @@ last one sent):
 
 One poller per server reads the feed's head while any stream is open, every
 `subscribe.poll_interval_s`, and at once (at most every MIN_POLL_GAP_S) when this
-server's own jobs stored events (`nudge`), and wakes the streams waiting for it. Trimming
-runs at start and every tenth of the retention (at most hourly).
+server's own jobs stored events (`nudge`), and wakes the streams waiting for it.
+Trimming runs at start and every tenth of the retention (at most hourly).
 """
 
 from __future__ import annotations
