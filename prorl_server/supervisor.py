@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
+import signal
 from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
@@ -75,7 +77,10 @@ class SupervisedProcess:
             try:
                 await asyncio.wait_for(process.wait(), timeout_s)
             except TimeoutError:
-                process.kill()
+                # The whole group (the child leads it): killing the child alone would orphan
+                # what it started, e.g. the podman service under runuser.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
                 await process.wait()
             log.info("child_stopped", child=self.name)
         if self._drain is not None:

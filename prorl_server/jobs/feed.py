@@ -173,7 +173,7 @@ class Feed:
                     self._moved = asyncio.Event()
             await asyncio.sleep(MIN_POLL_GAP_S)  # nudges in a burst: one read
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._settings.poll_interval_s):
+                async with asyncio.timeout(max(self._settings.poll_interval_s - MIN_POLL_GAP_S, 0.0)):
                     await self._nudged.wait()
         self._poller = None
 
@@ -237,7 +237,14 @@ class Feed:
                 reason="no_job_store",
             )
         wanted = Filter.of(message)
-        bounds = await self._store.feed_bounds()
+        try:
+            bounds = await self._store.feed_bounds()
+        except Exception as exc:
+            log.warning("feed_read_failed", error=str(exc))
+            raise Unavailable(
+                f"the job store cannot be read now ({type(exc).__name__}); subscribe again shortly, from your "
+                "last cursor"
+            ) from None
         start = self._start(after_cursor, bounds)
         self._open_stream(bounds.head)
         return Subscription(self, self._store, wanted, bounds.store_id, start)

@@ -9,6 +9,7 @@ reading altogether is shown on the servicer with a context whose writes stop com
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -437,3 +438,30 @@ async def test_events_the_server_stores_wake_its_streams_without_waiting_for_the
         assert sorted(event.job_id for event in events_of(got)) == ["n-0", "n-1"]
     finally:
         await served.stop()
+
+
+async def test_a_store_that_cannot_be_read_at_the_start_is_unavailable_and_follow_feed_goes_on(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert served.server is not None and served.server._feed is not None
+    store = served.server._feed._store
+    assert store is not None
+    working = store.feed_bounds
+    failures = [2]
+
+    async def flaky() -> Any:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise sqlite3.OperationalError("database is locked")
+        return await working()
+
+    monkeypatch.setattr(store, "feed_bounds", flaky)
+    with pytest.raises(RpcError) as caught:
+        await anext(served.client.subscribe())
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE  # not INTERNAL: a consumer retries it
+    assert "cannot be read now" in caught.value.details
+    # one more failure, then the store answers: follow_feed subscribes again by itself
+    stream = served.client.follow_feed(backoff_s=0.01)
+    start = await anext(stream)
+    assert start.cursor and not start.HasField("event") and failures == [0]
+    await stream.aclose()

@@ -32,7 +32,7 @@ LoadBalancing = Literal["round_robin", "pick_first"]
 # `follow` waits this long at most between two attempts.
 MAX_BACKOFF_S = 10.0
 # Subscribe streams that `follow_feed` resumes.
-RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 
 
 async def _unary(call: Awaitable[T]) -> T:
@@ -287,11 +287,13 @@ class Client:
         self, *, after_cursor: str = "", retries: int = 5, backoff_s: float = 0.2, **filter: Any
     ) -> AsyncIterator[v1.FeedEvent]:
         """Like `subscribe`, but goes on after the stream ends with UNAVAILABLE (its server
-        went away; on a channel over servers sharing a store, another one takes over) or
-        RESOURCE_EXHAUSTED (this consumer fell behind): Subscribe again after the last
-        cursor yielded. So each matching event is yielded once, in order, for as long as
-        the caller reads. OUT_OF_RANGE (events lost to retention) and any other error are
-        raised; `retries` and `backoff_s` as for `follow`."""
+        went away; on a channel over servers sharing a store, another one takes over),
+        CANCELLED (its server stopped and cancelled the call) or RESOURCE_EXHAUSTED (this
+        consumer fell behind): Subscribe again after the last cursor yielded. So each
+        matching event is yielded once, in order, for as long as the caller reads, until
+        `retries` attempts in a row fail (waits of `backoff_s` doubling, randomised, as for
+        `follow`): then the last error is raised. OUT_OF_RANGE (events lost to retention)
+        and any other error are raised at once."""
         failures = 0
         while True:
             try:

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import random
 import signal
 import sys
 import time
@@ -41,7 +40,7 @@ from typing import Any, TextIO, TypeVar
 import grpc
 
 from prorl_client import v1
-from prorl_client._client import MAX_BACKOFF_S, Client
+from prorl_client._client import Client
 from prorl_client._errors import RpcError
 from prorl_client.tail_output import (
     EXIT_ERROR,
@@ -150,11 +149,6 @@ class TailOptions:
 Item = v1.FeedEvent | Exception
 
 
-def _backoff(failures: int) -> float:
-    """As Client.follow_feed waits: doubling from 0.2 s up to 10 s, randomised by up to half."""
-    return min(MAX_BACKOFF_S, 0.2 * 2.0**failures) * random.uniform(0.5, 1.0)
-
-
 class _Stopped(Exception):
     """A stop was asked for while waiting on the server."""
 
@@ -220,24 +214,13 @@ class Tail:
         self._reader = asyncio.create_task(self._read(after_cursor), name="tail-read")
 
     async def _read(self, after_cursor: str) -> None:
-        """follow_feed resumes a stream that ended UNAVAILABLE or RESOURCE_EXHAUSTED; one the
-        server cancelled (CANCELLED, seen now and then while a server stops) is resumed here the
-        same way, from the last cursor read."""
-        failures = 0
+        """follow_feed resumes a stream that ended UNAVAILABLE, RESOURCE_EXHAUSTED or
+        CANCELLED (a stopping server's), from the last cursor read."""
         try:
-            while True:
-                try:
-                    async for item in self.client.follow_feed(
-                        after_cursor=after_cursor, retries=self.options.retries, **self.options.wanted.subscribe_args()
-                    ):
-                        after_cursor, failures = item.cursor, 0
-                        await self._queue.put(item)
-                except RpcError as exc:
-                    if exc.code != grpc.StatusCode.CANCELLED or failures >= self.options.retries:
-                        raise
-                    self.display.note(f"the server cancelled the stream ({exc.details}): resuming")
-                await asyncio.sleep(_backoff(failures))
-                failures += 1
+            async for item in self.client.follow_feed(
+                after_cursor=after_cursor, retries=self.options.retries, **self.options.wanted.subscribe_args()
+            ):
+                await self._queue.put(item)
         except Exception as exc:  # the writer raises it after what came before it
             await self._queue.put(exc)
 

@@ -9,7 +9,7 @@
 // feed. At start, a non-empty cursor file says where
 // to go on; without one, -from says where to begin ("now" or "oldest").
 //
-// When the stream ends with RESOURCE_EXHAUSTED (this consumer fell behind) or
+// When the stream ends with RESOURCE_EXHAUSTED (this consumer lost ground) or
 // UNAVAILABLE (its server went away), it subscribes again after the last
 // cursor it processed: its own, not the one the server puts in the trailing
 // metadata `prorl-resume-cursor` (a server that went away sends none), which

@@ -156,11 +156,13 @@ class RolloutServiceServicer:
         """Follows the events of every job that match a filter, from the service's
         durable feed: each event once, in the order the store received it, each
         with a cursor to resume after (on this server after a restart, or on any
-        server sharing its store). A consumer that falls behind the feed by more
-        than the server allows (setting subscribe.max_lag_events) gets
+        server sharing its store). A consumer that loses ground (its lag grows
+        more than setting subscribe.max_lag_events beyond the least it had; a
+        backlog read from "oldest" alone is not ground lost) gets
         RESOURCE_EXHAUSTED; events deleted by retention, OUT_OF_RANGE; a server
-        without a job store, FAILED_PRECONDITION. The first two (and
-        UNAVAILABLE) carry trailing metadata `prorl-resume-cursor`: the cursor of
+        without a job store, FAILED_PRECONDITION; a store that cannot be read,
+        UNAVAILABLE. The first two (and UNAVAILABLE when the store failed
+        mid-stream) carry trailing metadata `prorl-resume-cursor`: the cursor of
         the last response the transport took, which may be one response (a batch
         of events) behind the last the client received. Resume from your own last
         cursor: exactly once.
