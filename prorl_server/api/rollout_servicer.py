@@ -137,9 +137,11 @@ class RolloutServicer(v1.RolloutServiceServicer):
                     await asyncio.wait({write, overrun}, return_when=asyncio.FIRST_COMPLETED)
                     if not write.done():
                         write.cancel()
-                        raise overrun.result()
+                        raise subscription.too_slow(overrun.result())
                     write.result()
                     subscription.delivered()
+                    if overrun.done():  # it judged the send that has just completed after all
+                        overrun = asyncio.ensure_future(subscription.overrun())
         finally:
             overrun.cancel()
             subscription.close()

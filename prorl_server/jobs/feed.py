@@ -299,15 +299,16 @@ class Subscription:
             metadata={RESUME_CURSOR_KEY: self.cursor()},
         )
 
-    async def overrun(self) -> ConsumerTooSlow:
-        """Resolves, with the error to end the stream with, once a pending send has lost
-        more than max_lag_events of ground; never while nothing is pending."""
+    async def overrun(self) -> int:
+        """Resolves, with the ground lost, once a pending send has lost more than
+        max_lag_events of ground; never while nothing is pending. The verdict is on the send
+        pending then: if that send completes after all, the caller judges the next afresh."""
         while True:
             await self._feed._moved.wait()
             if self._sending is not None:
                 lost = self._lost_ground(self._sending)
                 if lost > self._settings.max_lag_events:
-                    return self.too_slow(lost)
+                    return lost
 
     async def responses(self) -> AsyncGenerator[v1.SubscribeResponse, None]:
         """Progress mark at the start, then batches of matching events and later marks

@@ -299,33 +299,54 @@ async def test_without_a_job_store_subscribe_is_failed_precondition(tmp_path: Pa
         await served.stop()
 
 
+PADDING = {f"pad-{index:02}": "p" * 256 for index in range(64)}
+"""Labels of about 17 kB, which every FeedEvent of the job carries."""
+
+
 async def test_a_consumer_that_falls_behind_gets_resource_exhausted_and_a_cursor(tmp_path: Path) -> None:
     served = Served(tmp_path / "jobs.sqlite", max_lag_events=20, page_size=8)
     await served.start()
+    ended = asyncio.Event()
+    jobs = 0
+
+    async def produce() -> None:
+        """Jobs until the stream ends. However much gRPC's windows and the sockets' buffers
+        take (megabytes on loopback), they fill up and the server's sends start to wait; a
+        fixed number of jobs may all fit, and the stream would then never end."""
+        nonlocal jobs
+        while not ended.is_set():
+            await served.run(8, prefix=f"slow{jobs}", labels=PADDING)
+            jobs += 8
+
+    producing = asyncio.ensure_future(produce())
     try:
         stream = served.client.subscribe()
         received = [await anext(stream)]
-        runs = asyncio.ensure_future(served.run(40, prefix="slow"))
         with pytest.raises(RpcError) as caught:
-            async for response in stream:
-                received.append(response)
-                await asyncio.sleep(0.05)  # a consumer far slower than 40 jobs' events
+            async with asyncio.timeout(120):
+                async for item in stream:
+                    received.append(item)
+                    await asyncio.sleep(0.05)  # a consumer far slower than the jobs' events
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_lag_events" in caught.value.details
+        ended.set()
+        await producing
         # the last response delivered: the last received, or the one before when the send under
         # way was given up but still reached the client (a duplicate on resuming, never a gap).
         # Responses hold at most page_size (8) events, so it is among the last 16 cursors (a
         # response's own cursor is its last event's, here).
         assert caught.value.resume_cursor in {item.cursor for item in received[-16:]}
-        await runs
         # resuming from the last cursor received gives the rest (a fast reader now), nothing twice
-        total = await collect(served.client.subscribe(after_cursor=OLDEST), finished_count(40))
+        total = await collect(served.client.subscribe(after_cursor=OLDEST), finished_count(jobs))
         rest = await collect(
             served.client.subscribe(after_cursor=received[-1].cursor),
             lambda seen: len(events_of(received)) + len(events_of(seen)) >= len(events_of(total)),
         )
         assert events_of(received) + events_of(rest) == events_of(total)
     finally:
+        ended.set()
+        producing.cancel()
+        await asyncio.gather(producing, return_exceptions=True)
         await served.stop()
 
 
@@ -346,6 +367,12 @@ async def test_closing_a_stream_releases_the_poller(served: Served) -> None:
     await assert_eventually(lambda: feed._streams == 1)
     await stream.aclose()
     await assert_eventually(lambda: feed._streams == 0 and feed._poller is None)
+
+
+async def store_job(store: SQLiteJobStore, job_id: str, count: int) -> None:
+    """A job with `count` events, written to the store as a server writes them."""
+    await store.submitted(job_id, 1, math_request("q", job_id=job_id), b"", time.time())
+    await store.appended(job_id, [v1.RolloutEvent(job_id=job_id, seq=seq) for seq in range(1, count + 1)])
 
 
 class StalledContext:
@@ -371,24 +398,69 @@ async def test_a_consumer_that_stops_reading_is_ended_once_events_pile_up(tmp_pa
     servicer = RolloutServicer(cast(Any, None), feed)
     context = StalledContext(accepted=2)
 
-    async def produce(job_id: str, count: int) -> None:
-        await store.submitted(job_id, 1, math_request("q", job_id=job_id), b"", time.time())
-        await store.appended(job_id, [v1.RolloutEvent(job_id=job_id, seq=seq) for seq in range(1, count + 1)])
-
     try:
-        await produce("first", 2)
+        await store_job(store, "first", 2)
         subscription = asyncio.ensure_future(
             servicer.Subscribe(v1.SubscribeRequest(after_cursor=OLDEST), cast(Any, context))
         )
         await assert_eventually(lambda: len(context.written) == 2)  # the start mark, a batch of both events
-        await produce("second", 1)
+        await store_job(store, "second", 1)
         await asyncio.wait_for(context.blocked.wait(), 10)  # the next send does not complete
         assert not subscription.done()  # little lag: a stalled consumer costs nothing, and is kept
-        await produce("more", 30)
+        await store_job(store, "more", 30)
         with pytest.raises(ConsumerTooSlow) as caught:
             await asyncio.wait_for(subscription, 10)
         assert caught.value.metadata[RESUME_CURSOR_KEY] == context.written[-1].cursor  # the last delivered
         assert [[item.event.seq for item in response.events] for response in context.written] == [[], [1, 2]]
+        await assert_eventually(lambda: feed._streams == 0)
+    finally:
+        await feed.close()
+        await store.close()
+
+
+class LateContext:
+    """A gRPC context whose second write (the first batch) completes just when the feed's
+    head next moves: in the same turn of the event loop as the verdict on it. Later writes
+    take a moment, as over a wire."""
+
+    def __init__(self, feed: Feed) -> None:
+        self.feed = feed
+        self.written: list[v1.SubscribeResponse] = []
+
+    async def write(self, response: v1.SubscribeResponse) -> None:
+        if len(self.written) == 1:
+            await self.feed._moved.wait()
+        else:
+            await asyncio.sleep(0.01)
+        self.written.append(response)
+
+
+async def test_a_send_that_completes_as_the_lag_limit_passes_does_not_end_the_stream_later(tmp_path: Path) -> None:
+    """The verdict "too slow" is on the send pending when the head moved. If that send
+    completes after all, the next send is judged afresh: the stream goes on, rather than
+    ending at the next send with the old verdict and a cursor older than what was delivered."""
+    store = SQLiteJobStore(tmp_path / "jobs.sqlite")
+    await store.open()
+    feed = Feed(store, SubscribeSettings(max_lag_events=10, poll_interval_s=0.02))
+    servicer = RolloutServicer(cast(Any, None), feed)
+    context = LateContext(feed)
+
+    try:
+        await store_job(store, "first", 2)
+        subscription = asyncio.ensure_future(
+            servicer.Subscribe(v1.SubscribeRequest(after_cursor=OLDEST), cast(Any, context))
+        )
+        await assert_eventually(lambda: len(context.written) == 1)  # the batch waits
+        await store_job(store, "more", 30)  # 30 events of lag: the verdict on it is "too slow", as it goes through
+        await assert_eventually(lambda: len(context.written) == 3 or subscription.done())
+        assert not subscription.done()
+        assert [[item.event.seq for item in response.events] for response in context.written] == [
+            [],
+            [1, 2],
+            list(range(1, 31)),
+        ]
+        subscription.cancel()
+        await asyncio.gather(subscription, return_exceptions=True)
         await assert_eventually(lambda: feed._streams == 0)
     finally:
         await feed.close()
