@@ -156,7 +156,8 @@ func (c *consumer) run(ctx context.Context, retries int) int {
 				"-from oldest (or -from now). Server: %s", c.cursor, status.Convert(err).Message())
 			return exitExpired
 		}
-		if code != codes.ResourceExhausted && code != codes.Unavailable {
+		// A stopping server cancels its calls: Canceled here is the server's (ours is ctx.Err above).
+		if code != codes.ResourceExhausted && code != codes.Unavailable && code != codes.Canceled {
 			log.Printf("Subscribe failed: %v", err)
 			return 1
 		}
