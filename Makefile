@@ -69,9 +69,9 @@ test-e2e:
 	$(PYTEST) -m "e2e or slow" -q
 
 # Everything CI runs: set-up, generated-code check, lint, the fast suite without
-# Podman, then every test.
+# Podman, then every test (with the slowest listed: how far they are from pytest's timeout).
 test-all: setup proto-check lint test-without-podman
-	$(PYTEST) -q
+	$(PYTEST) -q --durations=15
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
 bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed
