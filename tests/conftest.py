@@ -20,6 +20,7 @@ from podman import PodmanClient
 from prorl_client import Client
 from prorl_server.app import ProrlServer
 from prorl_server.config import Settings, load_settings
+from prorl_server.errors import ConsumerTooSlow
 from prorl_server.sandbox.base import LABEL_JOB, LABEL_MANAGED, LABEL_SERVER, SandboxSpec
 from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
 from prorl_server.sandbox.podman.service import PodmanService
@@ -186,3 +187,17 @@ async def fake_provider() -> AsyncIterator[FakeSandboxProvider]:
     yield provider
     await provider.close()
     assert provider.busy == 0
+
+
+@pytest.fixture
+def too_slow_endings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The messages of the Subscribe streams this process's servers end as too slow."""
+    endings: list[str] = []
+    original = ConsumerTooSlow.__init__
+
+    def counted(self: ConsumerTooSlow, message: str, **kwargs: Any) -> None:
+        endings.append(message)
+        original(self, message, **kwargs)
+
+    monkeypatch.setattr(ConsumerTooSlow, "__init__", counted)
+    return endings

@@ -276,7 +276,7 @@ async def test_go_feed_consumers_get_exactly_their_events_and_go_on_from_a_curso
 
 
 async def test_go_feed_consumer_resumes_after_falling_behind_or_losing_its_server_and_stops_behind_retention(
-    scripted_llm, start_server, tmp_path: Path
+    scripted_llm, start_server, tmp_path: Path, too_slow_endings: list[str]
 ) -> None:
     code, output = await run("bash", str(EXAMPLES / "go" / "build.sh"))
     assert code == 0, output
@@ -299,12 +299,19 @@ async def test_go_feed_consumer_resumes_after_falling_behind_or_losing_its_serve
     async with consumers() as start:
         consumer = await start(server.address, cursor_file, "-idle", "4s", "-retries", "10")
         await assert_eventually(cursor_file.exists, message="no cursor saved")
-        # stopped (SIGSTOP) while 20 jobs run: their events (~200 kB) overflow gRPC's flow-control
-        # window, the server's sends wait, and the stream falls more than max_lag_events behind
+        # stopped (SIGSTOP) while jobs run: their events overflow gRPC's flow-control window, the
+        # server's sends wait, and the stream falls more than max_lag_events behind. 20 jobs
+        # (~200 kB) overflow grpc-go's default window; more waves where the window is larger.
         assert consumer.process is not None
         consumer.process.send_signal(signal.SIGSTOP)
         try:
-            await run_jobs(20, client)
+            for _wave in range(5):
+                await run_jobs(20, client)
+                with contextlib.suppress(AssertionError):
+                    await assert_eventually(lambda: bool(too_slow_endings), timeout_s=2)
+                if too_slow_endings:
+                    break
+            assert too_slow_endings, "the stopped consumer's stream was never ended"
         finally:
             consumer.process.send_signal(signal.SIGCONT)
         ended = await feed_of(client, job_ids)

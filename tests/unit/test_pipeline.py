@@ -304,7 +304,7 @@ async def test_a_job_cancelled_before_it_started_never_runs_a_phase(harness: Har
 
 
 async def test_the_budget_does_not_count_time_queued_for_a_slot(harness: HarnessFactory) -> None:
-    budget_s = 0.3
+    budget_s = 1.0  # the job's own work fits in it however loaded the machine
     built = harness(run=1)
     job = built.job(budget(steps_request(), budget_s), StepsHandler())
     run_gate = built.gates[v1.PHASE_RUN]

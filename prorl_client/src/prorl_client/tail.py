@@ -227,13 +227,13 @@ class Tail:
     async def _follow(self, stopping: asyncio.Future[Any], resumed: bool) -> None:
         options = self.options
         started = False
-        last_record = time.monotonic()
+        last_record: float | None = None  # the idle clock starts at the feed's first message
         while not stopping.done():
             now = time.monotonic()
             waits = [1.0]  # the display's tick
             if self.pending:
                 waits.append(self._pending_since + options.flush_seconds - now)
-            if options.until_idle_s is not None:
+            if options.until_idle_s is not None and last_record is not None:
                 waits.append(last_record + options.until_idle_s - now)
             item = await self._next(stopping, max(min(waits), 0.0))
             if isinstance(item, Exception):
@@ -244,7 +244,7 @@ class Tail:
                 raise item
             if item is not None:
                 started = True
-                if await self._take(item):
+                if await self._take(item) or last_record is None:
                     last_record = time.monotonic()
             if self.pending and (
                 self.pending >= options.flush_records or time.monotonic() - self._pending_since >= options.flush_seconds
@@ -253,7 +253,11 @@ class Tail:
             self.display.tick()
             if options.max_records is not None and self.display.written >= options.max_records:
                 return
-            if options.until_idle_s is not None and time.monotonic() - last_record >= options.until_idle_s:
+            if (
+                options.until_idle_s is not None
+                and last_record is not None
+                and time.monotonic() - last_record >= options.until_idle_s
+            ):
                 return
 
     def _accepts_gap(self, error: Exception, *, started: bool, resumed: bool) -> bool:
@@ -367,7 +371,12 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--flush-records", type=int, help="save every N records (default 100; Parquet: 1000)")
     parser.add_argument("--flush-seconds", type=float, help="or every T seconds (default 1; Parquet: 30)")
     parser.add_argument("--max-records", type=int, help="stop after writing N records")
-    parser.add_argument("--until-idle", type=float, metavar="S", help="stop when no record came for S seconds")
+    parser.add_argument(
+        "--until-idle",
+        type=float,
+        metavar="S",
+        help="stop when no record came for S seconds (counted from the server's first answer)",
+    )
     parser.add_argument("--retries", type=int, default=20, help="failed reconnections in a row before giving up")
     parser.add_argument("--quiet", action="store_true", help="no progress on standard error")
     parser.add_argument("--token", default=os.environ.get("PRORL_TOKEN"), help="bearer token (or PRORL_TOKEN)")

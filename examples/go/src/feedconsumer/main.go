@@ -60,6 +60,9 @@ import (
 const (
 	resumeCursorKey = "prorl-resume-cursor"
 	exitExpired     = 3
+	// idleGrace is how long -idle waits, once its time is up, for a message
+	// already on its way.
+	idleGrace = 250 * time.Millisecond
 )
 
 func main() {
@@ -227,6 +230,9 @@ func (c *consumer) follow(ctx context.Context) (string, string, error) {
 		defer timer.Stop()
 		idle = timer.C
 	}
+	// After a freeze (a suspended process or machine) the idle timer and a message
+	// gRPC already holds are ready together; a short grace lets the message win.
+	grace := false
 	for {
 		select {
 		case <-c.stop:
@@ -236,10 +242,16 @@ func (c *consumer) follow(ctx context.Context) (string, string, error) {
 				idle = time.After(wait)
 				continue
 			}
+			if !grace {
+				grace = true
+				idle = time.After(idleGrace)
+				continue
+			}
 			return fmt.Sprintf("idle for %s", c.idle), "", nil
 		case <-ctx.Done():
 			return "", "", ctx.Err()
 		case m := <-messages:
+			grace = false
 			if m.err == io.EOF {
 				// The server never ends a stream cleanly: treat it as a server gone away.
 				return "", "", status.Error(codes.Unavailable, "the stream ended without a status")
