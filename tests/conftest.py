@@ -28,6 +28,9 @@ from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import Script, ScriptedLLMServer
 
 SANDBOX_USER = os.environ.get("PRORL_TEST_SANDBOX_USER", "prorl")
+# Where providers stage the runtime: two checkouts testing at once on one host each
+# set their own, so neither runs the other's in-sandbox code.
+TEST_STATE_DIR = Path(os.environ.get("PRORL_TEST_STATE_DIR", "/var/lib/prorl"))
 # Every server and provider of this test session has an instance id with this
 # prefix, so the leftover checks look at this session's containers only.
 SESSION = f"t{uuid.uuid4().hex[:6]}"
@@ -98,7 +101,7 @@ def make_settings(podman_url: str, llm_url: str | None, **sections: dict[str, An
             "shutdown_grace_s": 0,
             "log_level": "warning",
         },
-        "sandbox": {"podman_socket": podman_url, "tmp_mib": 64},
+        "sandbox": {"podman_socket": podman_url, "tmp_mib": 64, "state_dir": str(TEST_STATE_DIR)},
         "jobs": {"store": False},
         "llm": {
             "backends": [{"id": "scripted", "base_url": llm_url}] if llm_url else [],
@@ -136,7 +139,7 @@ async def start_server(podman_url: str) -> AsyncIterator[ServerFactory]:
 def podman_options(instance_id: str, **overrides: Any) -> PodmanOptions:
     values: dict[str, Any] = {
         "instance_id": instance_id,
-        "state_dir": Path("/var/lib/prorl"),
+        "state_dir": TEST_STATE_DIR,
         "sandbox_user": SANDBOX_USER,
         "container_user": "1000:1000",
         "workdir": "/workspace",
