@@ -67,6 +67,11 @@ cat > "${conf_dir}/containers.conf" <<CONF
 default_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]
 # No systemd user session here: no journald, no systemd cgroup manager.
 log_driver = "k8s-file"
+# runc gives every container a kernel session keyring under the sandbox user's uid;
+# the kernel's per-user key quota (kernel.keys.maxkeys, 200 by default) then fails
+# container starts ("unable to create session key: disk quota exceeded") once that
+# many run at once. Sandboxes have no use for a keyring.
+keyring = false
 
 [engine]
 # crun 1.8 refuses this kernel's hybrid cgroup layout; runc accepts it.
