@@ -50,6 +50,8 @@ HEADER = struct.Struct(">Q")
 MAX_FRAME = 1 << 30
 DEFAULT_CAP = 64 * 1024
 INTERRUPT_GRACE_S = 1.0
+BASH_START_S = 120.0
+"""How long a new bash has to read its set-up line (seconds on a loaded machine)."""
 
 
 # --- framing -----------------------------------------------------------------
@@ -172,11 +174,27 @@ class BashSession:
         self._write(
             "stty -echo 2>/dev/null; set -m; PS1=''; PS2=''; PS0=''; unset HISTFILE; printf '\\n%s 0\\n'\n" % token
         )
-        self._read_until(token, 10.0, CappedBuffer(DEFAULT_CAP))
+        # Bash may not run for many seconds on a busy machine; a shell that never
+        # answers is an error, never a command started before its set-up was read.
+        if self._read_until(token, BASH_START_S, CappedBuffer(DEFAULT_CAP)) is None:
+            self.close()
+            raise RuntimeError("bash did not start within %gs" % BASH_START_S)
 
     def _token(self):
         self.counter += 1
         return "__PRORL_%d_%d__" % (os.getpid(), self.counter)
+
+    @property
+    def _sentinel_prefix(self):
+        return ("\n__PRORL_%d_" % os.getpid()).encode()
+
+    def _without_stale_sentinels(self, pending, token):
+        """Drop the sentinel lines of earlier waits that gave up (a set-up or resync
+        answered after its patience ran out): they are the runtime's, not the agent's
+        output, and must not show up in the next command's."""
+        stale = re.compile(rb"\n__PRORL_%d_(\d+)__ -?\d*\n" % os.getpid())
+        current = token.encode()
+        return stale.sub(lambda m: m.group(0) if current in m.group(0) else b"", pending)
 
     def _write(self, text):
         data = text.encode("utf-8")
@@ -208,7 +226,7 @@ class BashSession:
             if not chunk:
                 buffer.write(pending)
                 raise EOFError("bash exited")
-            pending += chunk
+            pending = self._without_stale_sentinels(pending + chunk, token)
             index = pending.find(marker)
             if index >= 0:
                 end = pending.find(b"\n", index + len(marker))
@@ -223,11 +241,14 @@ class BashSession:
                     return int(pending[index + len(marker) : end].strip() or b"0")
                 except ValueError:
                     return -1
-            # Keep back what could be the start of the marker; flush the rest.
-            keep = len(marker) + 16
-            if len(pending) > keep:
-                buffer.write(pending[:-keep])
-                pending = pending[-keep:]
+            # Keep back what could be the start of a sentinel line; flush the rest.
+            cut = len(pending) - (len(marker) + 16)
+            partial = pending.rfind(self._sentinel_prefix)
+            if 0 <= partial < cut and pending.find(b"\n", partial + 1) < 0:
+                cut = partial
+            if cut > 0:
+                buffer.write(pending[:cut])
+                pending = pending[cut:]
 
     def _exited(self):
         try:
