@@ -75,6 +75,20 @@ def _without_none(message: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in message.items() if value is not None}
 
 
+_PROBE_OUTPUT = "tool output 7f3a"
+_PROBE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    },
+}
+_PROBES: list[tuple[list[dict[str, Any]] | None, dict[str, Any] | str]] = [
+    (tools, arguments) for tools in ([_PROBE_TOOL], None) for arguments in ({"text": "x"}, '{"text": "x"}')
+]
+
+
 class ChatTokenizer(abc.ABC):
     """The model's tokenizer plus its chat template."""
 
@@ -124,26 +138,32 @@ class ChatTokenizer(abc.ABC):
         """Whether the template renders a `tool` message after an assistant tool call.
 
         Templates without a tool role (Gemma's alternate user/model only; some drop
-        unknown roles) get tool results as a user message instead.
+        unknown roles) get tool results as a user message instead. The probe renders
+        the way a job does: with a tool declared (templates that list `tools`
+        unconditionally fail without one) and the call's arguments as a mapping or as
+        JSON text (templates that join argument strings fail on a mapping); the tool
+        role is there if any of these renders the tool's output.
         """
         if self._tool_role is None:
-            probe = "tool output 7f3a"
-            messages: list[dict[str, Any]] = [
-                {"role": "user", "content": "u"},
-                {
-                    "role": "assistant",
-                    "content": "",
-                    "tool_calls": [
-                        {"id": "call00001", "type": "function", "function": {"name": "probe", "arguments": {}}}
-                    ],
-                },
-                {"role": "tool", "tool_call_id": "call00001", "name": "probe", "content": probe},
-            ]
-            try:
-                self._tool_role = probe in self.render(messages, add_generation_prompt=True)
-            except LLMError:
-                self._tool_role = False
+            self._tool_role = any(self._probe_tool_role(tools, arguments) for tools, arguments in _PROBES)
         return self._tool_role
+
+    def _probe_tool_role(self, tools: list[dict[str, Any]] | None, arguments: dict[str, Any] | str) -> bool:
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": "u"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "call00001", "type": "function", "function": {"name": "probe", "arguments": arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call00001", "name": "probe", "content": _PROBE_OUTPUT},
+        ]
+        try:
+            return _PROBE_OUTPUT in self.render(messages, add_generation_prompt=True, tools=tools)
+        except LLMError:
+            return False
 
     @property
     def bos_text(self) -> str:
