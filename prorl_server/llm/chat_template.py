@@ -81,7 +81,11 @@ _PROBE_TOOL: dict[str, Any] = {
     "function": {
         "name": "probe",
         "description": "A probe.",
-        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "description": "A text."}},
+            "required": ["text"],
+        },
     },
 }
 _PROBES: list[tuple[list[dict[str, Any]] | None, dict[str, Any] | str]] = [
