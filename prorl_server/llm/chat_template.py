@@ -102,8 +102,11 @@ class ChatTokenizer(abc.ABC):
         *,
         special_tokens: dict[str, str] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        tool_template: str | None = None,
     ) -> None:
+        """`tool_template`: the one to render with when tools are given (transformers' "tool_use")."""
         self._template = compile_template(template)
+        self._tool_template = compile_template(tool_template) if tool_template else None
         self._special = {key: value for key, value in (special_tokens or {}).items() if value}
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         """`chat_template_kwargs` of the backend, e.g. {"enable_thinking": False}."""
@@ -122,8 +125,9 @@ class ChatTokenizer(abc.ABC):
         `template_kwargs` (per request) override the backend's, which override the special tokens.
         """
         variables: dict[str, Any] = {**self._special, **self.template_kwargs, **(template_kwargs or {})}
+        template = self._tool_template if tools and self._tool_template is not None else self._template
         try:
-            return self._template.render(
+            return template.render(
                 messages=[_without_none(m) for m in messages],
                 tools=list(tools) if tools else None,
                 documents=None,
