@@ -67,7 +67,8 @@ FORMAT_HINTS = {
     "openai": "Call a tool on the commentary channel: to=functions.TOOL <|constrain|>json<|message|>{...}.",
     "kimi_k2": "Write calls as <|tool_calls_section_begin|><|tool_call_begin|>functions.TOOL:0"
     "<|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>.",
-    "deepseek_v31": f"Write calls as {_DS_CALLS_BEGIN}{_DS_CALL_BEGIN}TOOL{_DS_SEP}{{...}}{_DS_CALL_END}{_DS_CALLS_END}.",
+    "deepseek_v31": f"Write calls as {_DS_CALLS_BEGIN}{_DS_CALL_BEGIN}TOOL{_DS_SEP}{{...}}"
+    f"{_DS_CALL_END}{_DS_CALLS_END}.",
     "glm4": "Write a call as the tool's name on a line of its own, then its arguments as a JSON object: TOOL\\n{...}.",
     "glm45": "Write each call as <tool_call>TOOL\\n<arg_key>ARGUMENT</arg_key>\\n<arg_value>VALUE</arg_value>"
     "\\n</tool_call>.",

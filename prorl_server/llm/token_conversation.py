@@ -17,15 +17,30 @@ messages follow it (Qwen3 and DeepSeek-R1 drop thinking, Llama and Gemma
 appends the EOS when no generation prompt follows), so the real
 conversation is never re-rendered. The new messages are rendered after a
 fixed base conversation instead: a short user message, then an assistant
-message whose text (or whose tool calls' arguments) is a sentinel, with the
-same tool call names and ids as the real reply (templates need those to
-render tool results). What the template writes after the sentinel, from the
-first end-of-turn token on, is the closing of the reply plus the new
-messages plus the generation prompt; it is tokenized and appended. If the
-model sampled an end-of-turn token itself, the template's end-of-turn token
-is left out: it is already there. Since the base and the sentinel are
-rendered once per turn and discarded, the BOS, default system prompts and
-tool declarations never repeat.
+message whose text (or whose tool calls' arguments, as a mapping or as JSON
+text: templates differ) is a sentinel, with the same tool call names and ids
+as the real reply (templates need those to render tool results). Every
+render carries the job's tools (templates that declare them unconditionally
+fail without).
+
+What to append is read off the template's own structure, not off the first
+end token after the sentinel (which, for a template that writes no end of
+turn after a call, is the one closing the tool results):
+- the reply's turn ends where a rendering of the base alone stops agreeing
+  with the base followed by the new messages;
+- in a call, the rest of the rendered call up to the turn's end token is the
+  model's own text (it wrote its call itself) and is skipped;
+- a block the template writes after the last message whatever it is
+  (Command R's closing instruction turn) is already in the prompt and is not
+  appended again;
+- what remains (the close of the reply, the new messages, the generation
+  prompt) is tokenized and appended, less one token if the model's sampled
+  stop stands for it: the same token (GLM's `<|observation|>`, which opens
+  the tool results), or the end-of-turn token that closes the reply (Llama's
+  `<|eot_id|>` after a sampled `<|eom_id|>`). A role tag that is merely also a
+  stop token is never dropped.
+Since the base and the sentinel are rendered once per turn and discarded,
+the BOS, default system prompts and tool declarations never repeat.
 
 Where no base renders (a template that refuses every shape), the turn fails
 as an infrastructure `LLMError` (reason `llm_template`) with the reason:
@@ -210,7 +225,7 @@ class TokenConversation:
         common = _common_prefix(text, alone)
         shared = min(_common_suffix(alone, whole), len(alone) - after)
         low, high = len(alone) - shared, common
-        if common < after or low > high or not generation and whole != text:
+        if common < after or low > high or (not generation and whole != text):
             return _Layout(self._bound(text, after, new), "", generation, exact=False)
         # Between `low` and `high` the text is both a possible end of the reply and a possible start
         # of what follows it: the reply's turn ends after its own end token if it writes one there.
@@ -280,11 +295,13 @@ def _first_end(text: str, markers: Sequence[str]) -> tuple[int, str] | None:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    return len(os.path.commonprefix([a, b]))
+    """Characters `a` and `b` share at their start."""
+    return len(os.path.commonprefix([a, b]))  # noqa: RUF071 (strings, not paths)
 
 
 def _common_suffix(a: str, b: str) -> int:
-    return len(os.path.commonprefix([a[::-1], b[::-1]]))
+    """Characters `a` and `b` share at their end."""
+    return len(os.path.commonprefix([a[::-1], b[::-1]]))  # noqa: RUF071 (strings, not paths)
 
 
 def _key(message: Mapping[str, Any]) -> tuple[str, str]:

@@ -322,7 +322,7 @@ FAMILIES = [
         "<｜end▁of▁sentence｜>",  # noqa: RUF001
         think=_r1_think,
         malformed="<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>echo\n{oops",  # noqa: RUF001
-        hint_mark="<｜tool▁sep｜>",
+        hint_mark="<｜tool▁sep｜>",  # noqa: RUF001
     ),
     Family(
         "gpt-oss",

@@ -72,11 +72,13 @@ CASES = {
     ),
     "cohere": (
         'I will list the files, then answer.\nAction: ```json\n[\n    {\n        "tool_name": "bash",\n'
-        '        "parameters": {"command": "ls"}\n    },\n    {"tool_name": "finish", "parameters": {"answer": "4"}}\n]\n```',
+        '        "parameters": {"command": "ls"}\n    },\n'
+        '    {"tool_name": "finish", "parameters": {"answer": "4"}}\n]\n```',
         'Action: ```json\n[{"tool_name": "bash", "parameters": {"command": }]\n```',
     ),
     "granite": (
-        '<|tool_call|>[{"name": "bash", "arguments": {"command": "ls"}}, {"name": "finish", "arguments": {"answer": "4"}}]',
+        '<|tool_call|>[{"name": "bash", "arguments": {"command": "ls"}}, '
+        '{"name": "finish", "arguments": {"answer": "4"}}]',
         '<|tool_call|>[{"name": "bash", "arguments": {"command": }]',
     ),
 }
@@ -127,11 +129,12 @@ def test_each_hint_shows_its_own_layout() -> None:
 def test_glm45_values_are_strings_unless_the_template_wrote_json() -> None:
     text = (
         "<tool_call>edit\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n"
-        '<arg_key>lines</arg_key>\n<arg_value>[1, 2]</arg_value>\n<arg_key>n</arg_key>\n<arg_value>4</arg_value>\n</tool_call>'
+        "<arg_key>lines</arg_key>\n<arg_value>[1, 2]</arg_value>\n"
+        "<arg_key>n</arg_key>\n<arg_value>4</arg_value>\n</tool_call>"
     )
     (call,) = parse_text(text, "glm45")
     assert call.arguments == {"path": "a.py", "lines": [1, 2], "n": "4"} and call.error is None
-    (bad,) = parse_text("<tool_call>{\"name\": \"bash\"}</tool_call>", "glm45")
+    (bad,) = parse_text('<tool_call>{"name": "bash"}</tool_call>', "glm45")
     assert bad.error and "layout" in bad.error
 
 
@@ -165,3 +168,8 @@ def test_call_ids_are_nine_alphanumerics_as_mistral_requires() -> None:
         value = call_id(prefix, index)
         assert len(value) >= 9 and value.isalnum()
     assert len(call_id("t99", 99)) == 9
+
+
+def test_granite_reads_phi4_minis_calls_too() -> None:
+    calls = parse_text('<|tool_call|>[{"name": "bash", "arguments": {"command": "ls"}}]<|/tool_call|>', "granite")
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("bash", {"command": "ls"}, None)]
