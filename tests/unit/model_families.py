@@ -455,4 +455,15 @@ FAMILIES = [
         user_wrap="<|user|>\n{}",
         role_stops=("<|user|>", "<|observation|>"),
     ),
+    Family(  # no tool role; ChatML with <|im_sep|>, no newline between turns
+        "phi4",
+        "microsoft--phi-4.jinja",
+        "hermes",
+        _hermes,
+        "<|im_end|>",
+        malformed='<tool_call>\n{"name": "echo", "arguments": {"text": }\n</tool_call>',
+        tool_role=False,
+        hint_mark="<tool_call>",
+        user_wrap="<|im_start|>user<|im_sep|>{}<|im_end|>",
+    ),
 ]
