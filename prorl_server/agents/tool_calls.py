@@ -13,6 +13,14 @@ vLLM's `--tool-call-parser`:
   fenced json block
 - `openai` (gpt-oss, harmony): `... to=functions.name ... <|message|>{...}`
 - `kimi_k2` (Kimi K2): `<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}`
+- `deepseek_v31` (DeepSeek V3.1): DeepSeek's tool-call tokens around the name and the JSON arguments
+  (no `function` type, no fence)
+- `glm4` (GLM-4-9B-Chat, GLM-4-0414): the name on its own line, then the JSON arguments
+  (`name\n{...}`; the model then samples `<|observation|>`)
+- `glm45` (GLM-4.5, GLM-4.6): `<tool_call>name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n</tool_call>`
+- `cohere` (Command R, Command R+ tool use): `Action:` and a JSON list of
+  `{"tool_name": ..., "parameters": {...}}`, in a json fence
+- `granite` (IBM Granite 3.x): `<|tool_call|>[{"name": ..., "arguments": {...}}]`
 
 A call that starts in the format but cannot be read is kept with an `error`
 that tells the model what was wrong (a format error: it counts in the
@@ -59,6 +67,14 @@ FORMAT_HINTS = {
     "openai": "Call a tool on the commentary channel: to=functions.TOOL <|constrain|>json<|message|>{...}.",
     "kimi_k2": "Write calls as <|tool_calls_section_begin|><|tool_call_begin|>functions.TOOL:0"
     "<|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>.",
+    "deepseek_v31": f"Write calls as {_DS_CALLS_BEGIN}{_DS_CALL_BEGIN}TOOL{_DS_SEP}{{...}}"
+    f"{_DS_CALL_END}{_DS_CALLS_END}.",
+    "glm4": "Write a call as the tool's name on a line of its own, then its arguments as a JSON object: TOOL\\n{...}.",
+    "glm45": "Write each call as <tool_call>TOOL\\n<arg_key>ARGUMENT</arg_key>\\n<arg_value>VALUE</arg_value>"
+    "\\n</tool_call>.",
+    "cohere": 'Write Action: and a JSON list of calls: Action:\\n```json\\n[{"tool_name": "TOOL", "parameters": {...}}]'
+    "\\n```.",
+    "granite": 'Write calls as <|tool_call|>[{"name": "TOOL", "arguments": {...}}].',
 }
 FORMAT_HINT = FORMAT_HINTS["hermes"]
 
@@ -272,6 +288,107 @@ def _kimi_k2(text: str, calls: _Calls) -> None:
         calls.bad(text[text.index("<|tool_call_begin|>") :], "the tool call has no <|tool_call_argument_begin|>")
 
 
+_DS31 = re.compile(
+    re.escape(_DS_CALL_BEGIN)
+    + r"([^\n<]*?)"
+    + re.escape(_DS_SEP)
+    + r"(.*?)(?:"
+    + re.escape(_DS_CALL_END)
+    + "|"
+    + re.escape(_DS_CALLS_END)
+    + "|$)",
+    re.DOTALL,
+)
+
+
+def _deepseek_v31(text: str, calls: _Calls) -> None:
+    if _DS_CALL_BEGIN not in text:
+        return
+    found = list(_DS31.finditer(text))
+    if len(found) < text.count(_DS_CALL_BEGIN):
+        calls.bad(text[text.index(_DS_CALL_BEGIN) :], "a tool call is not in the expected layout")
+        return
+    for match in found:
+        calls.add(match.group(1).strip(), match.group(2).strip())
+
+
+_GLM4 = re.compile(r"\A\s*([A-Za-z_][\w.-]*)[ \t]*\n\s*(?=\{)")
+
+
+def _glm4(text: str, calls: _Calls) -> None:
+    match = _GLM4.match(text)
+    if match is None:
+        return
+    rest = text[match.end() :]
+    try:
+        value, _ = _json_prefix(rest)
+    except json.JSONDecodeError as exc:
+        calls.bad(rest.strip(), f"the arguments are not valid JSON ({exc.msg})")
+        return
+    calls.add(match.group(1), value)
+
+
+_GLM45_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm45_value(raw: str) -> Any:
+    """A value as the template writes it: strings as they are, other values as JSON."""
+    stripped = raw.strip()
+    if stripped[:1] in ("{", "["):
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError:
+            return raw
+    return raw
+
+
+def _glm45(text: str, calls: _Calls) -> None:
+    for chunk in text.split("<tool_call>")[1:]:
+        body, closed, _ = chunk.partition("</tool_call>")
+        if not closed:
+            calls.bad(body.strip(), "the tool call is not closed with </tool_call>")
+            continue
+        name, _, _ = body.partition("<arg_key>")
+        name = name.strip()
+        pairs = list(_GLM45_PAIR.finditer(body))
+        leftover = _GLM45_PAIR.sub("", body[len(body) - len(body.lstrip()) :])
+        if not re.fullmatch(r"[A-Za-z_][\w.-]*", name) or leftover.strip() != name:
+            calls.bad(body.strip(), "the tool call is not in the expected layout")
+            continue
+        calls.add(name, {pair.group(1).strip(): _glm45_value(pair.group(2)) for pair in pairs})
+
+
+_COHERE = re.compile(r"Action:\s*(?:```(?:json)?\s*)?")
+
+
+def _cohere(text: str, calls: _Calls) -> None:
+    match = _COHERE.search(text)
+    if match is None:
+        return
+    rest = text[match.end() :]
+    try:
+        value, _ = _json_prefix(rest)
+    except json.JSONDecodeError as exc:
+        calls.bad(rest.strip(), f"the actions are not a valid JSON list ({exc.msg})")
+        return
+    for item in value if isinstance(value, list) else [value]:
+        if not isinstance(item, dict) or not isinstance(item.get("tool_name"), str):
+            calls.bad(json.dumps(item), 'the action has no "tool_name"')
+            continue
+        calls.add(item["tool_name"], item.get("parameters", {}))
+
+
+def _granite(text: str, calls: _Calls) -> None:
+    for chunk in text.split("<|tool_call|>")[1:]:
+        try:
+            value, _ = _json_prefix(chunk)
+        except json.JSONDecodeError as exc:
+            calls.bad(chunk.strip(), f"the tool calls are not a valid JSON list ({exc.msg})")
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            calls.add_object(item, json.dumps(item))
+
+
 PARSERS: dict[str, Callable[[str, _Calls], None]] = {
     "hermes": _hermes,
     "llama3_json": _llama3_json,
@@ -280,6 +397,11 @@ PARSERS: dict[str, Callable[[str, _Calls], None]] = {
     "deepseek_v3": _deepseek_v3,
     "openai": _openai,
     "kimi_k2": _kimi_k2,
+    "deepseek_v31": _deepseek_v31,
+    "glm4": _glm4,
+    "glm45": _glm45,
+    "cohere": _cohere,
+    "granite": _granite,
 }
 assert tuple(PARSERS) == TOOL_CALL_PARSERS
 

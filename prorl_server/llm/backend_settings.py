@@ -28,7 +28,20 @@ BACKEND_KINDS: tuple[BackendKind, ...] = get_args(BackendKind)
 TOKEN_KINDS: tuple[TokenKind, ...] = get_args(TokenKind)
 SERVED_KINDS: tuple[ServedKind, ...] = get_args(ServedKind)
 
-ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "openai", "kimi_k2"]
+ToolCallParser = Literal[
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "pythonic",
+    "deepseek_v3",
+    "openai",
+    "kimi_k2",
+    "deepseek_v31",
+    "glm4",
+    "glm45",
+    "cohere",
+    "granite",
+]
 """Tool-call formats a model may write in its text (vLLM's --tool-call-parser names); the
 parsers themselves are in agents/tool_calls.py."""
 

@@ -75,6 +75,24 @@ def _without_none(message: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in message.items() if value is not None}
 
 
+_PROBE_OUTPUT = "tool output 7f3a"
+_PROBE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "A probe.",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "description": "A text."}},
+            "required": ["text"],
+        },
+    },
+}
+_PROBES: list[tuple[list[dict[str, Any]] | None, dict[str, Any] | str]] = [
+    (tools, arguments) for tools in ([_PROBE_TOOL], None) for arguments in ({"text": "x"}, '{"text": "x"}')
+]
+
+
 class ChatTokenizer(abc.ABC):
     """The model's tokenizer plus its chat template."""
 
@@ -84,8 +102,11 @@ class ChatTokenizer(abc.ABC):
         *,
         special_tokens: dict[str, str] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        tool_template: str | None = None,
     ) -> None:
+        """`tool_template`: the one to render with when tools are given (transformers' "tool_use")."""
         self._template = compile_template(template)
+        self._tool_template = compile_template(tool_template) if tool_template else None
         self._special = {key: value for key, value in (special_tokens or {}).items() if value}
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         """`chat_template_kwargs` of the backend, e.g. {"enable_thinking": False}."""
@@ -104,8 +125,9 @@ class ChatTokenizer(abc.ABC):
         `template_kwargs` (per request) override the backend's, which override the special tokens.
         """
         variables: dict[str, Any] = {**self._special, **self.template_kwargs, **(template_kwargs or {})}
+        template = self._tool_template if tools and self._tool_template is not None else self._template
         try:
-            return self._template.render(
+            return template.render(
                 messages=[_without_none(m) for m in messages],
                 tools=list(tools) if tools else None,
                 documents=None,
@@ -124,26 +146,32 @@ class ChatTokenizer(abc.ABC):
         """Whether the template renders a `tool` message after an assistant tool call.
 
         Templates without a tool role (Gemma's alternate user/model only; some drop
-        unknown roles) get tool results as a user message instead.
+        unknown roles) get tool results as a user message instead. The probe renders
+        the way a job does: with a tool declared (templates that list `tools`
+        unconditionally fail without one) and the call's arguments as a mapping or as
+        JSON text (templates that join argument strings fail on a mapping); the tool
+        role is there if any of these renders the tool's output.
         """
         if self._tool_role is None:
-            probe = "tool output 7f3a"
-            messages: list[dict[str, Any]] = [
-                {"role": "user", "content": "u"},
-                {
-                    "role": "assistant",
-                    "content": "",
-                    "tool_calls": [
-                        {"id": "call00001", "type": "function", "function": {"name": "probe", "arguments": {}}}
-                    ],
-                },
-                {"role": "tool", "tool_call_id": "call00001", "name": "probe", "content": probe},
-            ]
-            try:
-                self._tool_role = probe in self.render(messages, add_generation_prompt=True)
-            except LLMError:
-                self._tool_role = False
+            self._tool_role = any(self._probe_tool_role(tools, arguments) for tools, arguments in _PROBES)
         return self._tool_role
+
+    def _probe_tool_role(self, tools: list[dict[str, Any]] | None, arguments: dict[str, Any] | str) -> bool:
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": "u"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "call00001", "type": "function", "function": {"name": "probe", "arguments": arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call00001", "name": "probe", "content": _PROBE_OUTPUT},
+        ]
+        try:
+            return _PROBE_OUTPUT in self.render(messages, add_generation_prompt=True, tools=tools)
+        except LLMError:
+            return False
 
     @property
     def bos_text(self) -> str:

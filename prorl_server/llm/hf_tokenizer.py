@@ -1,7 +1,9 @@
 """A model's tokenizer and chat template from a local Hugging Face tokenizer folder.
 
 The folder holds `tokenizer.json` (read with the `tokenizers` library) and
-`tokenizer_config.json` (its `chat_template`, special tokens); a
+`tokenizer_config.json` (its `chat_template`, special tokens; a list of named
+templates gives "default", and "tool_use" for renders with tools, as
+transformers chooses: Command R and Hermes 2 Pro ship theirs so); a
 `chat_template.jinja` file, when present, is the template (newer model
 folders keep it there). `generation_config.json`, when present, adds its
 `eos_token_id` (one id or a list: Llama 3.1 ends a turn on `<|eot_id|>`,
@@ -64,13 +66,17 @@ class HFTokenizer(ChatTokenizer):
         template = config.get("chat_template")
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        tool_template = None
+        if isinstance(template, list):  # named templates: "default", and "tool_use" when tools are given
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template, tool_template = named.get("default"), named.get("tool_use")
         if not template:
             raise InvalidArgument(f"{path}/tokenizer_config.json has no chat_template")
         special = {name: _token_text(config.get(name)) or "" for name in _SPECIAL_NAMES}
         try:
-            super().__init__(template, special_tokens=special, template_kwargs=template_kwargs)
+            super().__init__(
+                template, special_tokens=special, template_kwargs=template_kwargs, tool_template=tool_template
+            )
         except LLMError as exc:
             raise InvalidArgument(f"{path}: {exc}") from None
         stops = {special["eos_token"], *(config.get("extra_stop_tokens") or [])}

@@ -17,15 +17,30 @@ messages follow it (Qwen3 and DeepSeek-R1 drop thinking, Llama and Gemma
 appends the EOS when no generation prompt follows), so the real
 conversation is never re-rendered. The new messages are rendered after a
 fixed base conversation instead: a short user message, then an assistant
-message whose text (or whose tool calls' arguments) is a sentinel, with the
-same tool call names and ids as the real reply (templates need those to
-render tool results). What the template writes after the sentinel, from the
-first end-of-turn token on, is the closing of the reply plus the new
-messages plus the generation prompt; it is tokenized and appended. If the
-model sampled an end-of-turn token itself, the template's end-of-turn token
-is left out: it is already there. Since the base and the sentinel are
-rendered once per turn and discarded, the BOS, default system prompts and
-tool declarations never repeat.
+message whose text (or whose tool calls' arguments, as a mapping or as JSON
+text: templates differ) is a sentinel, with the same tool call names and ids
+as the real reply (templates need those to render tool results). Every
+render carries the job's tools (templates that declare them unconditionally
+fail without).
+
+What to append is read off the template's own structure, not off the first
+end token after the sentinel (which, for a template that writes no end of
+turn after a call, is the one closing the tool results):
+- the reply's turn ends where a rendering of the base alone stops agreeing
+  with the base followed by the new messages;
+- in a call, the rest of the rendered call up to the turn's end token is the
+  model's own text (it wrote its call itself) and is skipped;
+- a block the template writes after the last message whatever it is
+  (Command R's closing instruction turn) is already in the prompt and is not
+  appended again;
+- what remains (the close of the reply, the new messages, the generation
+  prompt) is tokenized and appended, less one token if the model's sampled
+  stop stands for it: the same token (GLM's `<|observation|>`, which opens
+  the tool results), or the end-of-turn token that closes the reply (Llama's
+  `<|eot_id|>` after a sampled `<|eom_id|>`). A role tag that is merely also a
+  stop token is never dropped.
+Since the base and the sentinel are rendered once per turn and discarded,
+the BOS, default system prompts and tool declarations never repeat.
 
 Where no base renders (a template that refuses every shape), the turn fails
 as an infrastructure `LLMError` (reason `llm_template`) with the reason:
@@ -35,8 +50,10 @@ never silently.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prorl_server.errors import LLMError
@@ -51,6 +68,18 @@ def new_sentinel() -> str:
 CLOSERS = ("<|end|>",)
 """End-of-message tokens that are not stop tokens (gpt-oss ends a past message with `<|end|>`,
 its generation with `<|return|>` or `<|call|>`). Used only when the tokenizer has them."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    reply_end: int
+    """Where the reply's turn (its own end-of-turn token included) ends in the rendering."""
+    trailing: str
+    """What the template writes after the last message whatever it is (not a message; "" mostly)."""
+    generation: str
+    """The generation prompt at the rendering's end."""
+    exact: bool
+    """False: `reply_end` is only bounded (by an end token or the first new message's text)."""
 
 
 class TokenConversation:
@@ -71,8 +100,10 @@ class TokenConversation:
         self.turn_spans: list[tuple[int, int]] = []
         """(start, end) of each turn's sampled ids in token_ids."""
         self._awaiting_reply = False
-        self._sampled_stop = False
+        self._sampled_stop: int | None = None
+        """The stop id the last reply ended with (None: it ended without one, e.g. at max_tokens)."""
         self._ends = _end_markers(tokenizer)
+        self._end_ids = {ids[0] for ids in map(tokenizer.encode, self._ends) if len(ids) == 1}
 
     def prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """The ids to send for `messages` (the whole conversation so far)."""
@@ -100,14 +131,17 @@ class TokenConversation:
         self._append(list(sampled_ids), sampled=True, logprobs=logprobs)
         self.turn_spans.append((start, len(self.token_ids)))
         self._messages.append(assistant)
-        self._sampled_stop = bool(sampled_ids) and sampled_ids[-1] in self._tokenizer.stop_ids
+        self._sampled_stop = sampled_ids[-1] if sampled_ids and sampled_ids[-1] in self._tokenizer.stop_ids else None
         self._awaiting_reply = False
 
-    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[dict[str, Any]] | None) -> str:
-        return self._tokenizer.render(messages, add_generation_prompt=True, tools=tools, template_kwargs=self._kwargs)
+    def _render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        """Always with the job's tools: templates that declare them unconditionally need them on every render."""
+        return self._tokenizer.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=self._tools, template_kwargs=self._kwargs
+        )
 
     def _first_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        text = self._render(messages, self._tools)
+        text = self._render(messages)
         ids = self._tokenizer.encode(text)
         bos_text = self._tokenizer.bos_text
         if self._tokenizer.bos_ids and not (bos_text and text.startswith(bos_text)):
@@ -122,7 +156,7 @@ class TokenConversation:
             sentinel = new_sentinel()
         for base, in_call in _bases(assistant, sentinel):
             try:
-                text = self._render([*base, *new], None)
+                text = self._render([*base, *new], add_generation_prompt=True)
             except LLMError as exc:
                 problems.append(str(exc))
                 continue
@@ -130,20 +164,87 @@ class TokenConversation:
             if index < 0:
                 problems.append("the template dropped the reply")
                 continue
-            tail = text[index + len(sentinel) :]
-            end = _first_end(tail, self._ends)
-            if end is None:
-                if in_call:  # the rest of the rendered call would follow: try a plainer base
+            after = index + len(sentinel)
+            layout = self._layout(base, new, text, after)
+            written = after  # what the model wrote itself ends here; the template's text follows
+            if in_call:  # the rest of the rendered call is the model's own text, up to the turn's end token
+                hit = _first_end(text[after : layout.reply_end], self._ends)
+                if hit is None and layout.exact:
+                    written = layout.reply_end  # the template closes a call with nothing
+                elif hit is None:
                     problems.append("no end-of-turn token after a tool call")
                     continue
-                return self._tokenizer.encode(tail)
-            position, marker = end
-            rest = tail[position + len(marker) :] if self._sampled_stop else tail[position:]
-            return self._tokenizer.encode(rest)
+                else:
+                    written = after + hit[0]
+            closing = text[written : layout.reply_end]
+            following = text[layout.reply_end : len(text) - len(layout.generation)]
+            if layout.trailing and following.endswith(layout.trailing):
+                following = following[: -len(layout.trailing)]  # already in the prompt, after the last message
+            return self._less_stand_in(closing, self._tokenizer.encode(closing + following + layout.generation))
         raise LLMError(
             "cannot build the next prompt with this chat template: " + "; ".join(dict.fromkeys(problems)),
             reason="llm_template",
         )
+
+    def _less_stand_in(self, closing: str, ids: list[int]) -> list[int]:
+        """`ids` less the template token that the model's sampled stop token already stands for.
+
+        The sampled stop stands in for the very token the template writes next (GLM's
+        `<|observation|>`, which opens the tool results), or for the end-of-turn token that
+        closes the reply (Llama's `<|eom_id|>` for its `<|eot_id|>`: one end of turn, not two).
+        Never for anything else: a role tag that merely is a stop token stays.
+        """
+        stop = self._sampled_stop
+        if stop is None or not ids:
+            return ids
+        if ids[0] == stop or (closing.startswith(tuple(self._ends)) and ids[0] in self._end_ids):
+            return ids[1:]
+        return ids
+
+    def _layout(self, base: list[dict[str, Any]], new: Sequence[dict[str, Any]], text: str, after: int) -> _Layout:
+        """Where, in `text` (base + new rendered), the reply's turn ends, and what is not a message.
+
+        The reply's turn ends where a rendering of the base alone (no generation prompt) stops
+        agreeing with `text`: both render the reply, only `text` goes on with the new messages. A
+        template that writes something after the last message (Command R's closing instruction
+        turn) writes it in both; it is found as their common tail and is `trailing`: it is already
+        in the prompt and never repeated. Where the structure is not that clear (a template that
+        renders its last message differently), the turn's end is bounded by the first new message's
+        text, so nothing of a new message is ever skipped.
+        """
+        generation = ""
+        try:
+            whole = self._render([*base, *new], add_generation_prompt=False)
+            if text.startswith(whole):
+                generation = text[len(whole) :]
+            alone = self._render(base, add_generation_prompt=False)
+        except LLMError:
+            return _Layout(self._bound(text, after, new), "", generation, exact=False)
+        if text.startswith(alone):
+            return _Layout(len(alone), "", generation, exact=True)
+        common = _common_prefix(text, alone)
+        shared = min(_common_suffix(alone, whole), len(alone) - after)
+        low, high = len(alone) - shared, common
+        if common < after or low > high or (not generation and whole != text):
+            return _Layout(self._bound(text, after, new), "", generation, exact=False)
+        # Between `low` and `high` the text is both a possible end of the reply and a possible start
+        # of what follows it: the reply's turn ends after its own end token if it writes one there.
+        hit = _first_end(text[low:high], self._ends)
+        end = low + hit[0] + len(hit[1]) if hit else low
+        return _Layout(end, alone[end:], generation, exact=True)
+
+    def _bound(self, text: str, after: int, new: Sequence[dict[str, Any]]) -> int:
+        """The reply ends before the first new message's own text (or at its first end token)."""
+        bound = len(text)
+        for message in new:
+            content = message.get("content")
+            if isinstance(content, str) and content.strip():
+                found = text.find(content.strip(), after)
+                if found >= 0:
+                    bound = found
+                break
+        hit = _first_end(text[after:bound], self._ends)
+        return after + hit[0] + len(hit[1]) if hit else bound
 
     def _append(self, ids: list[int], *, sampled: bool, logprobs: Sequence[float] = ()) -> None:
         self.token_ids.extend(ids)
@@ -156,20 +257,22 @@ def _bases(assistant: Mapping[str, Any], sentinel: str) -> list[tuple[list[dict[
     user: dict[str, Any] = {"role": "user", "content": "Hello."}
     system: dict[str, Any] = {"role": "system", "content": "You are a helpful assistant."}
     plain: dict[str, Any] = {"role": "assistant", "content": sentinel}
-    calls = [
-        {
-            "id": str(call.get("id") or ""),
-            "type": "function",
-            "function": {"name": str((call.get("function") or {}).get("name") or ""), "arguments": {"s": sentinel}},
-        }
-        for call in assistant.get("tool_calls") or []
-    ]
     shapes: list[tuple[dict[str, Any], bool]] = []
-    if calls:
-        shapes += [
-            ({"role": "assistant", "content": None, "tool_calls": calls}, True),
-            ({"role": "assistant", "content": "", "tool_calls": calls}, True),
+    # Arguments as a mapping (most templates) or as the JSON text (templates that join strings).
+    for arguments in ({"s": sentinel}, json.dumps({"s": sentinel})):
+        calls = [
+            {
+                "id": str(call.get("id") or ""),
+                "type": "function",
+                "function": {"name": str((call.get("function") or {}).get("name") or ""), "arguments": arguments},
+            }
+            for call in assistant.get("tool_calls") or []
         ]
+        if calls:
+            shapes += [
+                ({"role": "assistant", "content": None, "tool_calls": calls}, True),
+                ({"role": "assistant", "content": "", "tool_calls": calls}, True),
+            ]
     shapes.append((plain, False))
     return [([*prefix, reply], in_call) for prefix in ([user], [system, user]) for reply, in_call in shapes]
 
@@ -189,6 +292,16 @@ def _first_end(text: str, markers: Sequence[str]) -> tuple[int, str] | None:
     if not hits:
         return None
     return min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Characters `a` and `b` share at their start."""
+    return len(os.path.commonprefix([a, b]))  # noqa: RUF071 (strings, not paths)
+
+
+def _common_suffix(a: str, b: str) -> int:
+    """Characters `a` and `b` share at their end."""
+    return len(os.path.commonprefix([a[::-1], b[::-1]]))  # noqa: RUF071 (strings, not paths)
 
 
 def _key(message: Mapping[str, Any]) -> tuple[str, str]:

@@ -37,6 +37,9 @@ EXTRA_TOKENS = {
     "moonshotai--Kimi-K2-Instruct.jinja": ["[BOS]", "[EOS]", "[PAD]"],
     "Qwen--Qwen3-0.6B.jinja": ["<|endoftext|>"],
     "Qwen--Qwen2.5-7B-Instruct.jinja": ["<|endoftext|>"],
+    "CohereForAI--c4ai-command-r-plus.jinja": ["<PAD>"],
+    "NousResearch--Hermes-2-Pro-Llama-3-8B.jinja": ["<|end_of_text|>"],
+    "microsoft--Phi-3.5-mini-instruct.jinja": ["<s>"],
 }
 
 # Families whose tokenizer.json post-processor prepends the BOS (which a chat must not double).
@@ -46,6 +49,11 @@ BOS_POSTPROCESSOR = {
     "mistralai--Mistral-7B-Instruct-v0.3.jinja",
     "deepseek-ai--DeepSeek-R1-Distill-Qwen-32B.jinja",
     "google--gemma-3-4b-it.jinja",
+    "CohereForAI--c4ai-command-r-plus.jinja",
+    "NousResearch--Hermes-2-Pro-Llama-3-8B.jinja",
+    "mistralai--Mistral-Nemo-Instruct-2407.jinja",
+    "microsoft--Phi-3.5-mini-instruct.jinja",
+    "deepseek-ai--DeepSeek-V3.1.jinja",
 }
 
 CORPUS = """The quick brown fox jumps over the lazy dog. You are a helpful assistant.
@@ -98,6 +106,29 @@ def _kimi(name: str, arguments: dict[str, Any]) -> str:
     )
 
 
+def _deepseek_v31(name: str, arguments: dict[str, Any]) -> str:
+    return (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"  # noqa: RUF001
+        + name
+        + "<｜tool▁sep｜>"  # noqa: RUF001
+        + json.dumps(arguments)
+        + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"  # noqa: RUF001
+    )
+
+
+def _glm45(name: str, arguments: dict[str, Any]) -> str:
+    pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in arguments.items())
+    return f"<tool_call>{name}\n{pairs}</tool_call>"
+
+
+def _cohere(name: str, arguments: dict[str, Any]) -> str:
+    return "Action: ```json\n" + json.dumps([{"tool_name": name, "parameters": arguments}], indent=4) + "\n```"
+
+
+def _granite(name: str, arguments: dict[str, Any]) -> str:
+    return "<|tool_call|>" + json.dumps([{"name": name, "arguments": arguments}])
+
+
 def _phi4(name: str, arguments: dict[str, Any]) -> str:
     return "<|tool_call|>" + json.dumps([{"name": name, "arguments": arguments}]) + "<|/tool_call|>"
 
@@ -119,6 +150,16 @@ class Family:
     malformed: str = ""
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tool_role: bool = True
+    hint_mark: str = ""
+    """Text of the family's own call layout that its format-error hint must show."""
+    tool_wrap: str = ""
+    """How the template writes a tool result ("{}" for its text), as read off the template by hand."""
+    user_wrap: str = ""
+    """How the template writes a later user message ("{}" for its text)."""
+    once: tuple[str, ...] = ()
+    """Text the template writes once per conversation, which must never repeat in the trajectory."""
+    role_stops: tuple[str, ...] = ()
+    """Stop tokens that are also role tags: the model may sample one before another message's tag."""
 
     @property
     def model(self) -> dict[str, Any]:
@@ -214,6 +255,7 @@ FAMILIES = [
         "<|im_end|>",
         think=_qwen_think,
         malformed='<tool_call>\n{"name": "echo", "arguments": {"text": }\n</tool_call>',
+        hint_mark="<tool_call>",
     ),
     Family(  # `</think>` followed by one newline, not the two the template writes
         "qwen3-thinking-one-newline",
@@ -223,6 +265,7 @@ FAMILIES = [
         "<|im_end|>",
         think=lambda text: f"<think>\n{text}\n</think>\n",
         malformed='<tool_call>\n{"name": "echo", "arguments": {"text": }\n</tool_call>',
+        hint_mark="<tool_call>",
     ),
     Family(
         "qwen3-no-thinking",
@@ -232,6 +275,7 @@ FAMILIES = [
         "<|im_end|>",
         malformed='<tool_call>\n{"name": "echo", "arguments": {"text": }\n</tool_call>',
         template_kwargs={"enable_thinking": False},
+        hint_mark="<tool_call>",
     ),
     Family(
         "qwen2.5",
@@ -240,6 +284,7 @@ FAMILIES = [
         _hermes,
         "<|im_end|>",
         malformed='<tool_call>\n{"name": "echo" "arguments": {}}\n</tool_call>',
+        hint_mark="<tool_call>",
     ),
     Family(
         "llama3.1",
@@ -249,6 +294,7 @@ FAMILIES = [
         "<|eot_id|>",
         call_stop="<|eom_id|>",
         malformed='{"name": "echo", "parameters": {"text": }',
+        hint_mark='"parameters"',
     ),
     Family(
         "llama3.2",
@@ -257,6 +303,7 @@ FAMILIES = [
         _llama,
         "<|eot_id|>",
         malformed='{"name": "echo", "parameters": {"text": }',
+        hint_mark='"parameters"',
     ),
     Family(
         "mistral-v0.3",
@@ -265,6 +312,7 @@ FAMILIES = [
         _mistral,
         "</s>",
         malformed='[TOOL_CALLS] [{"name": "echo", "arguments": {"text": }]',
+        hint_mark="[TOOL_CALLS]",
     ),
     Family(
         "deepseek-r1-distill",
@@ -274,6 +322,7 @@ FAMILIES = [
         "<｜end▁of▁sentence｜>",  # noqa: RUF001
         think=_r1_think,
         malformed="<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>echo\n{oops",  # noqa: RUF001
+        hint_mark="<｜tool▁sep｜>",  # noqa: RUF001
     ),
     Family(
         "gpt-oss",
@@ -284,6 +333,7 @@ FAMILIES = [
         call_stop="<|call|>",
         plain=_harmony_final,
         malformed='<|channel|>commentary to=functions.echo <|constrain|>json<|message|>{"text": ',
+        hint_mark="to=functions.",
     ),
     Family(
         "gemma3",
@@ -293,6 +343,7 @@ FAMILIES = [
         "<end_of_turn>",
         malformed='[echo(text="hi"]',
         tool_role=False,
+        hint_mark="TOOL(",
     ),
     Family(
         "phi4-mini",
@@ -309,6 +360,7 @@ FAMILIES = [
         _kimi,
         "<|im_end|>",
         malformed="<|tool_calls_section_begin|><|tool_call_begin|>functions.echo:0 {oops<|tool_calls_section_end|>",
+        hint_mark="<|tool_call_begin|>",
     ),
     Family(
         "smollm2",
@@ -317,5 +369,101 @@ FAMILIES = [
         _hermes,
         "<|im_end|>",
         malformed='<tool_call>{"name": "echo", "arguments": {"text": }</tool_call>',
+        hint_mark="<tool_call>",
+    ),
+    # Families whose templates the first matrix did not cover (each catches a class of failure).
+    Family(  # declares tools unconditionally; no end-of-turn after an Action; a closing instruction turn
+        "command-r-plus",
+        "CohereForAI--c4ai-command-r-plus.jinja",
+        "cohere",
+        _cohere,
+        "<|END_OF_TURN_TOKEN|>",
+        malformed='Action: ```json\n[{"tool_name": "echo", "parameters": {"text": }]\n```',
+        hint_mark='"tool_name"',
+        tool_wrap="<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><results>\n{}</results><|END_OF_TURN_TOKEN|>",
+        user_wrap="<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{}<|END_OF_TURN_TOKEN|>",
+        once=("Write 'Action:' followed by a json-formatted list",),
+    ),
+    Family(  # declares tools unconditionally
+        "hermes-2-pro",
+        "NousResearch--Hermes-2-Pro-Llama-3-8B.jinja",
+        "hermes",
+        _hermes,
+        "<|im_end|>",
+        malformed='<tool_call>\n{"name": "echo", "arguments": {"text": }\n</tool_call>',
+        hint_mark="<tool_call>",
+        tool_wrap="<|im_start|>tool\n<tool_response>\n{}\n</tool_response><|im_end|>",
+        user_wrap="<|im_start|>user\n{}<|im_end|>",
+    ),
+    Family(
+        "mistral-nemo",
+        "mistralai--Mistral-Nemo-Instruct-2407.jinja",
+        "mistral",
+        lambda name, arguments: "[TOOL_CALLS]" + json.dumps([{"name": name, "arguments": arguments}]),
+        "</s>",
+        malformed='[TOOL_CALLS][{"name": "echo", "arguments": {"text": }]',
+        hint_mark="[TOOL_CALLS]",
+        tool_wrap='[TOOL_RESULTS]{{"content": {}, "call_id": "',
+        user_wrap="[INST]{}[/INST]",
+    ),
+    Family(  # no tool role; <|assistant|> is a stop id and the generation prompt's tag
+        "phi3.5-mini",
+        "microsoft--Phi-3.5-mini-instruct.jinja",
+        "hermes",
+        _hermes,
+        "<|end|>",
+        malformed='<tool_call>\n{"name": "echo", "arguments": {"text": }\n</tool_call>',
+        tool_role=False,
+        hint_mark="<tool_call>",
+        user_wrap="<|user|>\n{}<|end|>",
+        role_stops=("<|assistant|>",),
+    ),
+    Family(  # joins argument strings; tool outputs in its own markers; no parser before
+        "deepseek-v3.1",
+        "deepseek-ai--DeepSeek-V3.1.jinja",
+        "deepseek_v31",
+        _deepseek_v31,
+        "<｜end▁of▁sentence｜>",  # noqa: RUF001
+        malformed="<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>echo<｜tool▁sep｜>"  # noqa: RUF001
+        '{"text": <｜tool▁call▁end｜><｜tool▁calls▁end｜>',  # noqa: RUF001
+        hint_mark="<｜tool▁call▁begin｜>TOOL<｜tool▁sep｜>",  # noqa: RUF001
+        tool_wrap="<｜tool▁output▁begin｜>{}<｜tool▁output▁end｜>",  # noqa: RUF001
+        user_wrap="<｜User｜>{}",  # noqa: RUF001
+    ),
+    Family(  # read by llama3_json before, with Llama's layout in its hint
+        "granite-3.3",
+        "ibm-granite--granite-3.3-2b-instruct.jinja",
+        "granite",
+        _granite,
+        "<|end_of_text|>",
+        malformed='<|tool_call|>[{"name": "echo", "arguments": {"text": }]',
+        hint_mark="<|tool_call|>[",
+        tool_wrap="<|start_of_role|>tool<|end_of_role|>{}<|end_of_text|>",
+        user_wrap="<|start_of_role|>user<|end_of_role|>{}<|end_of_text|>",
+    ),
+    Family(  # no end-of-turn after a reply: the model's stop token is the next role tag
+        "glm-4.5",
+        "zai-org--GLM-4.5.jinja",
+        "glm45",
+        _glm45,
+        "<|user|>",
+        call_stop="<|observation|>",
+        think=lambda text: f"\n<think>{text}</think>\n",
+        malformed="<tool_call>echo\n<arg_key>text</arg_key>\n<arg_value>hi",
+        hint_mark="<arg_key>",
+        tool_wrap="<|observation|>\n<tool_response>\n{}\n</tool_response>",
+        user_wrap="<|user|>\n{}",
+        role_stops=("<|user|>", "<|observation|>"),
+    ),
+    Family(  # no tool role; ChatML with <|im_sep|>, no newline between turns
+        "phi4",
+        "microsoft--phi-4.jinja",
+        "hermes",
+        _hermes,
+        "<|im_end|>",
+        malformed='<tool_call>\n{"name": "echo", "arguments": {"text": }\n</tool_call>',
+        tool_role=False,
+        hint_mark="<tool_call>",
+        user_wrap="<|im_start|>user<|im_sep|>{}<|im_end|>",
     ),
 ]

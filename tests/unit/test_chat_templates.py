@@ -225,3 +225,32 @@ def test_chat_backends_pass_chat_template_kwargs_only_when_set() -> None:
     info.chat_template_kwargs = {"enable_thinking": True, "x": 1}
     payload = backend._payload([], [], Sampling(max_tokens=4, temperature=1.0, chat_template_kwargs={"x": 2}))
     assert payload["chat_template_kwargs"] == {"enable_thinking": True, "x": 2}
+
+
+def test_the_tool_role_probe_renders_as_a_job_does(tmp_path: Path) -> None:
+    """With a tool declared and the arguments in either shape, as a job's renders are."""
+    assert tokenizer_for("command-r-plus", tmp_path).renders_tool_role  # declares `tools` unconditionally
+    assert tokenizer_for("hermes-2-pro", tmp_path).renders_tool_role  # likewise
+    assert tokenizer_for("deepseek-v3.1", tmp_path).renders_tool_role  # joins argument strings
+    assert not tokenizer_for("phi3.5-mini", tmp_path).renders_tool_role  # drops the tool role
+
+
+def test_named_templates_render_tool_use_when_tools_are_given(tmp_path: Path) -> None:
+    """As transformers chooses: Command R and Hermes 2 Pro ship `default` and `tool_use`."""
+    folder = family("hermes-2-pro").write_tokenizer(tmp_path / "named")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": config["chat_template"]},
+    ]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = HFTokenizer(folder)
+    messages = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "echo", "description": "Echo.", "parameters": {}}}
+    assert tokenizer.render(messages, add_generation_prompt=True) == "hi"
+    with_tools = tokenizer.render(messages, add_generation_prompt=True, tools=[tool])
+    assert "<tools>" in with_tools and with_tools.endswith("<|im_start|>assistant\n")
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert theirs.apply_chat_template(messages, tools=[tool], add_generation_prompt=True, tokenize=False) == with_tools
+    assert theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == "hi"

@@ -24,6 +24,7 @@ from prorl_server.agents.base import Limits, RolloutContext
 from prorl_server.agents.loop import run_tool_loop
 from prorl_server.agents.outcomes import ToolOutput
 from prorl_server.agents.recorder import TrajectoryRecorder
+from prorl_server.agents.tool_calls import format_hint
 from prorl_server.agents.tools import FinishTool, Tool, ToolContext
 from prorl_server.llm.base import BackendInfo, Generation, Sampling, TokenBackend
 from prorl_server.llm.chat_template import ChatTokenizer
@@ -36,7 +37,11 @@ from tests.unit.model_families import FAMILIES, TEMPLATES, Family
 class EchoTool(Tool):
     name = "echo"
     description = "Repeat the text."
-    parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    parameters = {
+        "type": "object",
+        "properties": {"text": {"type": "string", "description": "The text to repeat."}},
+        "required": ["text"],
+    }
 
     async def run(self, ctx: ToolContext, arguments: dict[str, Any]) -> ToolOutput:
         return ToolOutput(f"echo: {arguments['text']}")
@@ -124,10 +129,15 @@ async def test_six_turns_keep_exact_tokens(family: Family, tmp_path: Path) -> No
 
     # No end-of-turn token twice in a row: a sampled stop is never followed by the template's own.
     ends = set(tokenizer.stop_ids) | {tokenizer.encode(t)[0] for t in ("<|end|>",) if len(tokenizer.encode(t)) == 1}
+    # A stop token that is also a role tag (GLM's <|observation|>, <|user|>) may be followed by another
+    # message's tag, never by itself.
     for prompt, sample in zip(prompts[:-1], samples[:-1], strict=True):
         if sample and sample[-1] in ends:
             following = token_ids[len(prompt) + len(sample)]
-            assert following not in ends, f"{tokenizer.decode([sample[-1], following])!r} doubles the end of turn"
+            pair = tokenizer.decode([sample[-1], following])
+            assert following != sample[-1], f"{pair!r} doubles the end of turn"
+            tag = tokenizer.decode([following]) in family.role_stops
+            assert following not in ends or tag, f"{pair!r} doubles the end of turn"
     bos = family.model.get("bos_token")
     if bos and "bos_token" in (TEMPLATES / family.file).read_text():  # the template writes the BOS: once
         bos_id = tokenizer.encode(bos)[0]
@@ -140,6 +150,23 @@ async def test_six_turns_keep_exact_tokens(family: Family, tmp_path: Path) -> No
     assert ("tool" in roles) == family.tool_role
     # no call, malformed call, truncated reply: three format errors, counted
     assert recorder.format_errors == 3
+
+    # Each later message is in the trajectory as its template writes it (a role tag dropped, or a
+    # tool result sent as a user turn where the template has its own markers, fails here).
+    last_reply = max(i for i, m in enumerate(recorder.messages) if m["role"] == "assistant")
+    later = recorder.messages[2:last_reply]  # what the model was shown after the first prompt
+    for message in later:
+        content = str(message.get("content") or "")
+        wrap = {"tool": family.tool_wrap, "user": family.user_wrap}.get(str(message["role"]), "")
+        if wrap:
+            assert wrap.format(content.strip()) in text, f"{message['role']} message not as the template writes it"
+    assert not family.tool_wrap or any(m["role"] == "tool" for m in later)
+    for written_once in family.once:
+        assert text.count(written_once) == 1, f"{written_once!r} repeated"
+    # The format errors teach the family's own layout.
+    hint = format_hint(family.parser)
+    assert family.hint_mark in hint
+    assert any(hint in str(m.get("content")) for m in later)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])

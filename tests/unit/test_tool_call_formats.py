@@ -9,6 +9,10 @@ from prorl_server.llm.base import TOOL_CALL_PARSERS
 
 DS_BEGIN = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"  # noqa: RUF001
 DS_END = "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"  # noqa: RUF001
+DS31_BEGIN = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"  # noqa: RUF001
+DS31_SEP = "<｜tool▁sep｜>"  # noqa: RUF001
+DS31_CALL_END = "<｜tool▁call▁end｜>"  # noqa: RUF001
+DS31_CALLS_END = "<｜tool▁calls▁end｜>"  # noqa: RUF001
 
 # parser -> (one call to bash {"command": "ls"} and one to finish {"answer": "4"}, written natively; a malformed call)
 CASES = {
@@ -47,11 +51,91 @@ CASES = {
         '{"answer": "4"}<|tool_call_end|><|tool_calls_section_end|>',
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.bash:0 {oops<|tool_calls_section_end|>",
     ),
+    "deepseek_v31": (
+        DS31_BEGIN
+        + "bash"
+        + DS31_SEP
+        + '{"command": "ls"}'
+        + DS31_CALL_END
+        + "<｜tool▁call▁begin｜>finish"  # noqa: RUF001
+        + DS31_SEP
+        + '{"answer": "4"}'
+        + DS31_CALL_END
+        + DS31_CALLS_END,
+        DS31_BEGIN + "bash" + DS31_SEP + '{"command": ' + DS31_CALL_END + DS31_CALLS_END,
+    ),
+    # GLM-4 writes one call per reply; the second call is the next reply's (see test below).
+    "glm45": (
+        "<think>List first.</think>\n<tool_call>bash\n<arg_key>command</arg_key>\n<arg_value>ls</arg_value>\n"
+        "</tool_call>\n<tool_call>finish\n<arg_key>answer</arg_key>\n<arg_value>4</arg_value>\n</tool_call>",
+        "<tool_call>bash\n<arg_key>command</arg_key>\n<arg_value>ls",
+    ),
+    "cohere": (
+        'I will list the files, then answer.\nAction: ```json\n[\n    {\n        "tool_name": "bash",\n'
+        '        "parameters": {"command": "ls"}\n    },\n'
+        '    {"tool_name": "finish", "parameters": {"answer": "4"}}\n]\n```',
+        'Action: ```json\n[{"tool_name": "bash", "parameters": {"command": }]\n```',
+    ),
+    "granite": (
+        '<|tool_call|>[{"name": "bash", "arguments": {"command": "ls"}}, '
+        '{"name": "finish", "arguments": {"answer": "4"}}]',
+        '<|tool_call|>[{"name": "bash", "arguments": {"command": }]',
+    ),
+}
+
+ONE_CALL = {  # parsers whose format holds one call per reply
+    "glm4": ('bash\n{"command": "ls"}', 'bash\n{"command": '),
 }
 
 
 def test_every_parser_is_named_in_the_llm_layer_and_tested() -> None:
-    assert tuple(PARSERS) == TOOL_CALL_PARSERS == tuple(CASES)
+    assert tuple(PARSERS) == TOOL_CALL_PARSERS
+    assert set(PARSERS) == set(CASES) | set(ONE_CALL)
+
+
+@pytest.mark.parametrize("parser", list(ONE_CALL))
+def test_one_call_formats(parser: str) -> None:
+    good, bad = ONE_CALL[parser]
+    (call,) = parse_text(good, parser, id_prefix="t3")
+    assert (call.name, call.arguments, call.error, call.id) == ("bash", {"command": "ls"}, None, "t3c000000")
+    (broken,) = parse_text(bad, parser)
+    assert broken.error and broken.error.endswith(format_hint(parser))
+    assert parse_text("The answer is 4.\nNothing to run here {not json}.", parser) == []
+
+
+def test_each_hint_shows_its_own_layout() -> None:
+    """A format error teaches the model its own format, not another family's."""
+    marks = {
+        "hermes": "<tool_call>",
+        "llama3_json": '"parameters"',
+        "mistral": "[TOOL_CALLS]",
+        "pythonic": "TOOL(",
+        "deepseek_v3": "function<｜tool▁sep｜>",  # noqa: RUF001
+        "openai": "to=functions.TOOL",
+        "kimi_k2": "<|tool_call_begin|>",
+        "deepseek_v31": "<｜tool▁call▁begin｜>TOOL<｜tool▁sep｜>{",  # noqa: RUF001
+        "glm4": "TOOL\\n{",
+        "glm45": "<arg_key>",
+        "cohere": '"tool_name"',
+        "granite": "<|tool_call|>[",
+    }
+    assert set(marks) == set(PARSERS)
+    for parser, mark in marks.items():
+        assert mark in format_hint(parser), (parser, format_hint(parser))
+    assert len({format_hint(parser) for parser in PARSERS}) == len(PARSERS)
+    assert '"parameters"' not in format_hint("granite")  # Granite's layout, not Llama's
+
+
+def test_glm45_values_are_strings_unless_the_template_wrote_json() -> None:
+    text = (
+        "<tool_call>edit\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n"
+        "<arg_key>lines</arg_key>\n<arg_value>[1, 2]</arg_value>\n"
+        "<arg_key>n</arg_key>\n<arg_value>4</arg_value>\n</tool_call>"
+    )
+    (call,) = parse_text(text, "glm45")
+    assert call.arguments == {"path": "a.py", "lines": [1, 2], "n": "4"} and call.error is None
+    (bad,) = parse_text('<tool_call>{"name": "bash"}</tool_call>', "glm45")
+    assert bad.error and "layout" in bad.error
 
 
 @pytest.mark.parametrize("parser", list(CASES))
@@ -84,3 +168,8 @@ def test_call_ids_are_nine_alphanumerics_as_mistral_requires() -> None:
         value = call_id(prefix, index)
         assert len(value) >= 9 and value.isalnum()
     assert len(call_id("t99", 99)) == 9
+
+
+def test_granite_reads_phi4_minis_calls_too() -> None:
+    calls = parse_text('<|tool_call|>[{"name": "bash", "arguments": {"command": "ls"}}]<|/tool_call|>', "granite")
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("bash", {"command": "ls"}, None)]
