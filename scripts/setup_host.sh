@@ -10,23 +10,28 @@ SANDBOX_USER="${PRORL_SANDBOX_USER:-prorl}"
 APT_PACKAGES=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs catatonit)
 # git: the SWE images' repositories are committed on the host (sandbox_images/swe).
 APT_PACKAGES+=(git)
-# The Go and C++ example clients (examples/), built from proto/ offline.
-APT_PACKAGES+=(golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev
-               protobuf-compiler protobuf-compiler-grpc libgrpc++-dev g++ pkg-config openssl)
+# The project's virtual environment (Debian's python3 refuses pip installs) and the headers
+# llama-cpp-python builds against. PRORL_SETUP=demo (make demo) stops there: only what the
+# demo needs; the default (make setup) adds the CI toolchain below.
+APT_PACKAGES+=(python3-venv python3-dev)
+if [[ "${PRORL_SETUP:-full}" != demo ]]; then
+    # The Go and C++ example clients (examples/), built from proto/ offline.
+    APT_PACKAGES+=(golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev
+                   protobuf-compiler protobuf-compiler-grpc libgrpc++-dev g++ pkg-config openssl)
 
-# The project's virtual environment (Debian's python3 refuses pip installs) and
-# the headers llama-cpp-python builds against; chromium: the viewer's browser test.
-APT_PACKAGES+=(python3-venv python3-dev chromium)
+    # chromium: the viewer's browser test.
+    APT_PACKAGES+=(chromium)
 
-# The PostgreSQL job store's tests (marker `postgres`) start a throwaway cluster of their
-# own with these server binaries (tests/postgres.py); the system cluster this package
-# starts is not used by them.
-APT_PACKAGES+=(postgresql)
-# deploy/: a single-node Slurm of the tests' own runs the sbatch script (munge comes with it); shellcheck checks the scripts.
-APT_PACKAGES+=(slurm-wlm shellcheck)
+    # The PostgreSQL job store's tests (marker `postgres`) start a throwaway cluster of their
+    # own with these server binaries (tests/postgres.py); the system cluster this package
+    # starts is not used by them.
+    APT_PACKAGES+=(postgresql)
+    # deploy/: a single-node Slurm of the tests' own runs the sbatch script (munge comes with it); shellcheck checks the scripts.
+    APT_PACKAGES+=(slurm-wlm shellcheck)
 
-# npx runs buf (the contract's linter) from the npm registry.
-command -v npx >/dev/null 2>&1 || APT_PACKAGES+=(npm)
+    # npx runs buf (the contract's linter) from the npm registry.
+    command -v npx >/dev/null 2>&1 || APT_PACKAGES+=(npm)
+fi
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

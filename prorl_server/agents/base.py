@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import abc
 import copy
+import difflib
 import time
+import typing
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from prorl_server.agents.outcomes import EvalOutcome, FailureInfo, Limits, RunOutcome
 from prorl_server.agents.recorder import TrajectoryRecorder
@@ -66,10 +68,24 @@ GatewayOpener = Callable[[Sandbox], AbstractAsyncContextManager[JobGateway]]
 
 
 class TaskInstance(BaseModel):
-    """A family's task instance. Fields the family does not use are ignored (published
-    datasets carry many); the ones it uses are checked at submission."""
+    """A family's task instance, checked at submission.
 
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+    A field the family does not know is refused, by name, with the closest known
+    field when one is close: a typo (`choice` for `choices`) would otherwise turn
+    the task into another one silently. Columns that a family's published datasets
+    carry and that it knowingly does not use are listed in `ignored_fields`, and
+    dropped before validation.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    ignored_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored_fields(cls, data: Any) -> Any:
+        if cls.ignored_fields and isinstance(data, dict):
+            return {key: value for key, value in data.items() if key not in cls.ignored_fields}
+        return data
 
 
 InstanceT = TypeVar("InstanceT", bound=TaskInstance)
@@ -158,6 +174,51 @@ def classify(exc: BaseException) -> FailureInfo:
     return FailureInfo(True, "internal", f"{type(exc).__name__}: {exc}")
 
 
+def _did_you_mean(error: ValidationError, loc: tuple[int | str, ...]) -> str:
+    """ ", did you mean 'x'?" for an unknown field close to a known one of its model, else the known ones."""
+    model = _model_at(error.title, loc)
+    if model is None:
+        return ""
+    known = [name for name in model.model_fields if name not in model.ignored_fields]
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else f"; the fields are: {', '.join(known)}"
+
+
+def _model_at(title: str, loc: tuple[int | str, ...]) -> type[TaskInstance] | None:
+    """The instance model that holds the field at `loc` (nested models included)."""
+    model: Any = _model_named(title)
+    for part in loc[:-1]:
+        if model is None:
+            return None
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(part)
+        model = _inner_model(info.annotation) if info is not None else None
+    return model if isinstance(model, type) and issubclass(model, TaskInstance) else None
+
+
+def _inner_model(annotation: Any) -> Any:
+    """The TaskInstance model inside an annotation such as list[Case] or Case | None."""
+    if isinstance(annotation, type) and issubclass(annotation, TaskInstance):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _model_named(title: str) -> type[TaskInstance] | None:
+    """The TaskInstance subclass a ValidationError is about (its title is the model's name)."""
+    stack: list[type[TaskInstance]] = [TaskInstance]
+    while stack:
+        model = stack.pop()
+        if model.__name__ == title:
+            return model
+        stack.extend(model.__subclasses__())
+    return None
+
+
 def invalid_instance(family: str, error: ValidationError) -> InvalidArgument:
     """The first problem pydantic found, as `<family> instance field 'x': what is wrong`."""
     first = error.errors()[0]
@@ -166,6 +227,8 @@ def invalid_instance(family: str, error: ValidationError) -> InvalidArgument:
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "missing":
         message = "missing: this field is required"
+    elif first["type"] == "extra_forbidden":
+        message = "unknown field" + _did_you_mean(error, first["loc"])
     return InvalidArgument(cap_text(f"{family} instance field {top!r}{where}: {message}", 1000)[0])
 
 

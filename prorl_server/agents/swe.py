@@ -105,6 +105,14 @@ class SWEInstance(TaskInstance):
     """SWE-bench's fields, plus the image that holds the repository at base_commit."""
 
     model_config = TaskInstance.model_config | {"strict": False}  # lists may arrive as JSON strings
+    # Columns of SWE-bench, SWE-Gym, SWE-smith rows (as `prorl import-swe` writes them) and of the
+    # shipped tasks' task.json that judging does not use.
+    ignored_fields = frozenset(
+        {
+            "hints_text", "created_at", "environment_setup_commit", "dataset", "evaluation", "eval_type",
+            "swesmith_repo", "image_name", "layout", "pypi", "requirements", "upstream",
+        }
+    )  # fmt: skip
 
     instance_id: Text
     repo: Text

@@ -31,11 +31,14 @@ def load_problems() -> list[dict[str, Any]]:
 
 
 def to_task(problem: dict[str, Any]) -> dict[str, Any]:
-    """A `prorl run` task line for the code handler (the solution stays out of the instance)."""
+    """A `prorl run` task line for the code handler (the solution stays out of the instance).
+
+    The id is HumanEval's own ("HumanEval/0"): `prorl run` makes job ids of any task id,
+    and results keep the id the benchmark's tables use."""
     return {
         "id": problem["task_id"],
         "handler": "code",
-        "instance": {key: problem[key] for key in ("task_id", "prompt", "entry_point", "test")},
+        "instance": {key: problem[key] for key in ("prompt", "entry_point", "test")},
     }
 
 

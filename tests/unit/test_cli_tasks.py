@@ -53,7 +53,7 @@ def test_human_eval_tasks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     tasks = lines_of(capsys.readouterr().out)
     assert len(tasks) == 164
     assert tasks[0]["handler"] == "code" and tasks[0]["id"] == "HumanEval/0"
-    assert set(tasks[0]["instance"]) == {"task_id", "prompt", "entry_point", "test"}
+    assert set(tasks[0]["instance"]) == {"prompt", "entry_point", "test"}
     module_out = tmp_path / "module.jsonl"
     assert human_eval.main([str(module_out)]) == 0
     assert lines_of(module_out.read_text()) == tasks

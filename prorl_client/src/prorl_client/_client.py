@@ -158,6 +158,7 @@ class Client:
         return cls(channel, metadata=metadata)
 
     async def close(self) -> None:
+        """Close the channel; calls under way are cancelled."""
         await self._channel.close()
 
     async def __aenter__(self) -> Client:
@@ -310,6 +311,8 @@ class Client:
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
 
     async def get_job(self, job_id: str) -> v1.Job:
+        """A job's status, phase, labels and times, with its result once it ended; NOT_FOUND if
+        the server never had it or no longer retains it."""
         response: v1.GetJobResponse = await _unary(
             self._rollouts.GetJob(v1.GetJobRequest(job_id=job_id), metadata=self._metadata)
         )
@@ -335,6 +338,8 @@ class Client:
         return await _unary(self._rollouts.ListJobs(request, metadata=self._metadata))
 
     async def cancel(self, job_id: str, *, reason: str = "") -> v1.Job:
+        """Cancel a job wherever it is (its model request, its sandbox commands, its containers)
+        and return it once its sandboxes are gone; a job that already ended keeps its result."""
         request = v1.CancelRequest(job_id=job_id, reason=reason)
         response: v1.CancelResponse = await _unary(self._rollouts.Cancel(request, metadata=self._metadata))
         return response.job
@@ -342,15 +347,18 @@ class Client:
     # --- AdminService --------------------------------------------------------
 
     async def add_backend(self, backend: v1.Backend) -> v1.Backend:
+        """Add an LLM backend at run time; returns it as the server holds it."""
         request = v1.AddBackendRequest(backend=backend)
         response: v1.AddBackendResponse = await _unary(self._admin.AddBackend(request, metadata=self._metadata))
         return response.backend
 
     async def remove_backend(self, backend_id: str) -> None:
+        """Remove a backend: its jobs finish their current request there and move on."""
         request = v1.RemoveBackendRequest(backend_id=backend_id)
         await _unary(self._admin.RemoveBackend(request, metadata=self._metadata))
 
     async def list_backends(self) -> list[v1.Backend]:
+        """The server's LLM backends, with their health and load."""
         response = await _unary(self._admin.ListBackends(v1.ListBackendsRequest(), metadata=self._metadata))
         return list(response.backends)
 

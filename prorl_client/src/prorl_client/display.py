@@ -151,8 +151,6 @@ class RunDisplay:
             self._refresh()
             self._progress.stop()
             self._progress = None
-        elif not self.total:
-            self.note("rollouts 0/0: every rollout is already in the output file")
 
 
 # --- The summary table -------------------------------------------------------

@@ -1,51 +1,69 @@
 """`prorl run TASKS.jsonl --out RESULTS.jsonl`: stream a dataset through a server.
 
-Each task line is a JSON object: {"id": ..., "handler": "math", "instance":
-{...}} plus optional "sampling", "limits", "sandbox" objects (the fields of
-RolloutRequest). A line without "instance" is taken as the instance itself
-(its "id" and "handler" aside), so {"id": "q1", "question": ..., "answer": ...}
-works with --handler math.
+The task-line format is in prorl_client.task_lines (and the README): one JSON
+object per line, {"id": ..., "handler": "math", "instance": {...}} plus
+optional request fields ("sampling", "limits", "sandbox", "labels", ...). A bad
+line is named (file, line, field) and skipped; with --strict nothing is
+submitted.
 
 Every task runs --samples times (a GRPO group, group_id = the task id). One
 JSON line per rollout is appended to the output as soon as it finishes, with
-the trajectory in the form trainers consume (token_ids, loss_mask, logprobs).
-Rerunning with the same output file skips the rollouts already in it; job
-ids are derived from the output file, so a rollout the server still holds
-(finished, or running when the previous run was interrupted) is reattached
-rather than run twice. Each line also carries the task's handler (its
-family) and a timeline of the rollout (queue, phases, model turns, tool
-calls, cleanup) built from the streamed events, which `prorl view` draws.
+the trajectory in the form trainers consume (token_ids, loss_mask, logprobs),
+the task's handler (its family) and a timeline of the rollout built from the
+streamed events, which `prorl view` draws. Requests the server refuses are
+listed in RESULTS.rejected.jsonl (rewritten by each run).
 
-`prorl view RESULTS.jsonl --out report.html` turns such a file into one
-self-contained HTML page (see prorl_client.viewer).
+Resuming: rerunning with the same output file runs only what is not done.
+A rollout is done when its line says SUCCEEDED, or FAILED/TIMED_OUT as the
+policy's failure; a CANCELLED one (the server stopped, or `prorl cancel`) or
+one that failed as infrastructure is written with its status, not done, and
+runs again on the next run under a new job id (`<id>.r1`, `.r2`, ...): the
+server keeps a job's result under its id, so the old id would only give the
+cancelled result back. Job ids follow from the output file (or --run-id), so a
+rollout the server still holds (running when the previous run was
+interrupted, or finished) is reattached rather than run twice; `prorl run`
+says how many results came from such earlier jobs. --run-id NEW gives fresh
+samples under new ids. Each job carries the label prorl-run=<run id>, which
+`prorl jobs` and `prorl cancel` filter on.
 
-`prorl import-swe FILE --format swe-bench|swe-gym|swe-smith|r2e-gym --out
-TASKS.jsonl` turns a SWE dataset's instance file into task lines for `prorl
-run` (see prorl_client.swe_import).
+The exit status says what happened (prorl_client.cli_common lists the codes).
+Two runs on one output file are refused (a lock on the file).
 
-`prorl tail --server ADDR --out PATH` appends every finished trajectory that
-matches a filter to PATH, from the service's event feed, resumably and exactly
-once (see prorl_client.tail).
+The other commands: `prorl view` (prorl_client.viewer), `prorl import-swe`
+(prorl_client.swe_import), `prorl tail` (prorl_client.tail), `prorl jobs`,
+`prorl job`, `prorl cancel`, `prorl stats` (prorl_client.jobs_cli).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import json
-import os
+import re
 import sys
-from collections.abc import Iterator
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 import grpc
 from google.protobuf.json_format import MessageToDict, ParseDict
 
-from prorl_client import swe_import, v1
+from prorl_client import cli_common, swe_import, v1
 from prorl_client._client import Client
+from prorl_client._errors import RpcError
 from prorl_client.display import RunDisplay, print_summary
+from prorl_client.task_lines import LineError, read_task_lines
+
+JOB_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
+MAX_JOB_ID = 128
+RUN_LABEL = "prorl-run"
+"""Every job of a `prorl run` carries this label, its value the run id."""
 
 
 def rollout_key(task_id: str, sample: int) -> str:
@@ -53,49 +71,87 @@ def rollout_key(task_id: str, sample: int) -> str:
 
 
 def load_tasks(path: Path, default_handler: str) -> list[dict[str, Any]]:
-    tasks = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        task = json.loads(line)
-        if not isinstance(task, dict):
-            raise SystemExit(f"{path}:{number}: a task must be a JSON object")
-        task.setdefault("id", f"line-{number}")
-        task.setdefault("handler", default_handler)
-        if "instance" not in task:
-            task = {
-                "id": task.pop("id"),
-                "handler": task.pop("handler"),
-                "instance": {k: v for k, v in task.items() if k not in ("sampling", "limits", "sandbox")},
-                **{k: task[k] for k in ("sampling", "limits", "sandbox") if k in task},
-            }
-        tasks.append(task)
+    """The file's tasks; ValueError listing every bad line (for callers that cannot skip any)."""
+    tasks, errors = read_task_lines(path, default_handler)
+    if errors:
+        raise ValueError("\n".join(str(error) for error in errors))
     return tasks
 
 
-def done_keys(path: Path) -> set[str]:
-    if not path.exists():
-        return set()
-    keys = set()
-    for line in path.read_text().splitlines():
+def is_done(record: dict[str, Any]) -> bool:
+    """A usable sample: not cancelled, and not an infrastructure failure (which a trainer masks)."""
+    if record.get("status") in ("JOB_STATUS_CANCELLED", "JOB_STATUS_UNSPECIFIED", None):
+        return False
+    failure = record.get("failure") or {}
+    return failure.get("kind") != "FAILURE_KIND_INFRASTRUCTURE"
+
+
+@dataclass
+class OutputState:
+    """What the output file already holds: the rollouts done, and how often each was not."""
+
+    done: set[str] = field(default_factory=set)
+    attempts: Counter[str] = field(default_factory=Counter)
+
+
+def output_state(path: Path) -> OutputState:
+    state = OutputState()
+    for record in read_records(path):
         try:
-            record = json.loads(line)
-            keys.add(rollout_key(str(record["task_id"]), int(record["sample"])))
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by an interrupted run: that rollout runs again
-    return keys
+            key = rollout_key(str(record["task_id"]), int(record["sample"]))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if is_done(record):
+            state.done.add(key)
+        else:
+            state.attempts[key] += 1
+    return state
 
 
-def build_request(task: dict[str, Any], sample: int, run_id: str) -> v1.RolloutRequest:
+def done_keys(path: Path) -> set[str]:
+    return output_state(path).done
+
+
+def job_id_for(run_id: str, task_id: str, sample: int, attempt: int = 0) -> str:
+    """A valid job id (1-128 of A-Z a-z 0-9 . _ : -) for any task id: other characters
+    ("HumanEval/0") become "-", with a hash of the task id so that two ids never meet."""
+    body = JOB_ID_CHARS.sub("-", task_id)
+    suffix = f"-{sample}" + (f".r{attempt}" if attempt else "")
+    job_id = f"{run_id}-{body}{suffix}"
+    if body != task_id or len(job_id) > MAX_JOB_ID:
+        digest = hashlib.sha1(task_id.encode()).hexdigest()[:8]
+        room = MAX_JOB_ID - len(run_id) - len(suffix) - len(digest) - 2
+        job_id = f"{run_id}-{body[: max(room, 0)]}-{digest}{suffix}"
+    return job_id[:MAX_JOB_ID]
+
+
+def default_run_id(out: Path) -> str:
+    return "run-" + hashlib.sha1(str(out.absolute()).encode()).hexdigest()[:10]
+
+
+def build_request(
+    task: dict[str, Any],
+    sample: int,
+    run_id: str,
+    *,
+    attempt: int = 0,
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> v1.RolloutRequest:
+    """The request of one (task, sample); `overrides` ({"limits": {...}, "sampling": {...}})
+    replace those fields of every task (the command line's --max-turns and the like)."""
     body: dict[str, Any] = {
-        "job_id": f"{run_id}-{task['id']}-{sample}"[:128],
+        "job_id": job_id_for(run_id, str(task["id"]), sample, attempt),
         "handler": task["handler"],
         "instance": task["instance"],
-        "group_id": str(task["id"]),
+        "group_id": str(task["id"])[:256],
     }
-    for field in ("sampling", "limits", "sandbox", "labels", "priority"):
-        if field in task:
-            body[field] = task[field]
+    for name in ("sampling", "limits", "sandbox", "labels", "priority", "retry", "min_policy_version"):
+        if name in task:
+            body[name] = task[name]
+    for name, values in (overrides or {}).items():
+        if values:
+            body[name] = {**body.get(name, {}), **values}
+    body["labels"] = {**body.get("labels", {}), RUN_LABEL: run_id}
     request = v1.RolloutRequest()
     ParseDict(body, request)
     return request
@@ -223,20 +279,80 @@ def pending(tasks: list[dict[str, Any]], samples: int, skip: set[str]) -> Iterat
 
 
 def plan(
-    tasks: list[dict[str, Any]], out: Path, *, samples: int = 1, run_id: str | None = None
+    tasks: list[dict[str, Any]],
+    out: Path,
+    *,
+    samples: int = 1,
+    run_id: str | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[list[v1.RolloutRequest], dict[str, tuple[str, int]]]:
-    """The requests of every (task, sample) not yet in `out`, and each job's (task id, sample)."""
-    todo = list(pending(tasks, samples, done_keys(out)))
+    """The requests of every (task, sample) not yet done in `out`, and each job's (task id, sample)."""
+    state = output_state(out)
     # Job ids follow from the output file: a rerun resubmits the same ids, so a
-    # job the server already ran (or is still running) is reattached, not redone.
-    run_id = run_id or "run-" + hashlib.sha1(str(out.absolute()).encode()).hexdigest()[:10]
+    # job the server already ran (or is still running) is reattached, not redone;
+    # a rollout that was not done gets the next attempt's id, so it runs afresh.
+    run_id = run_id or default_run_id(out)
     by_job: dict[str, tuple[str, int]] = {}
     requests = []
-    for task, sample in todo:
-        request = build_request(task, sample, run_id)
+    for task, sample in pending(tasks, samples, state.done):
+        attempt = state.attempts[rollout_key(str(task["id"]), sample)]
+        request = build_request(task, sample, run_id, attempt=attempt, overrides=overrides)
         by_job[request.job_id] = (str(task["id"]), sample)
         requests.append(request)
     return requests, by_job
+
+
+def rejected_path(out: Path) -> Path:
+    """Where a run lists the requests the server refused: RESULTS.rejected.jsonl beside RESULTS.jsonl."""
+    return out.with_name(out.stem + ".rejected.jsonl") if out.suffix else out.with_name(out.name + ".rejected.jsonl")
+
+
+@dataclass
+class RunReport:
+    """What one `prorl run` did, for its last lines and its exit status."""
+
+    total: int = 0
+    written: int = 0
+    succeeded: int = 0
+    policy_failed: int = 0
+    not_done: int = 0
+    """Written CANCELLED or as infrastructure failures: run again by the next run."""
+    rejected: int = 0
+    rerun: int = 0
+    """Rollouts whose job an earlier run left cancelled (or failed as infrastructure) on the
+    server under the id this run reused: run again under the next attempt's id."""
+    from_earlier: int = 0
+    """Results of jobs an earlier run had submitted under the same ids (reattached)."""
+    display: RunDisplay | None = None
+
+    def count(self, result: v1.RolloutResult) -> None:
+        self.written += 1
+        if result.status == v1.JOB_STATUS_SUCCEEDED:
+            self.succeeded += 1
+        elif result.status == v1.JOB_STATUS_CANCELLED or result.failure.kind == v1.FAILURE_KIND_INFRASTRUCTURE:
+            self.not_done += 1
+        else:
+            self.policy_failed += 1
+
+
+class OutputLocked(Exception):
+    """Another process is writing the output file."""
+
+
+@contextlib.contextmanager
+def locked_output(out: Path) -> Iterator[IO[str]]:
+    """The output file opened for appending, with an exclusive lock held until the end:
+    two runs appending to one file would each write every line."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as sink:
+        try:
+            fcntl.flock(sink.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputLocked(str(out)) from None
+        try:
+            yield sink
+        finally:
+            fcntl.flock(sink.fileno(), fcntl.LOCK_UN)
 
 
 async def run(
@@ -246,45 +362,129 @@ async def run(
     *,
     samples: int = 1,
     run_id: str | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
     progress_stream: TextIO = sys.stderr,
     live: bool | None = None,
+    report: RunReport | None = None,
 ) -> RunDisplay:
-    """Run every (task, sample) not yet in `out`; append one line per finished rollout.
+    """Run every (task, sample) not yet done in `out`; append one line per finished rollout.
 
     Progress goes to `progress_stream`: a live bar on a terminal (`live`
-    forces it on or off), a plain line per rollout otherwise.
+    forces it on or off), a plain line per rollout otherwise. `report` (if
+    given) is filled in as the run goes, so it tells how far an interrupted
+    run got. Raises OutputLocked if another run holds `out`.
     """
-    requests, by_job = await asyncio.to_thread(plan, tasks, out, samples=samples, run_id=run_id)
-    handlers = {str(task["id"]): str(task["handler"]) for task in tasks}
-    display = RunDisplay(len(requests), progress_stream, live=live)
-    if not requests:
-        return display
-    timelines: dict[str, Timeline] = {}
-    try:
-        with out.open("a") as sink:
-            async for item in client.rollout_many(requests):
+    report = report if report is not None else RunReport()
+    started_at = time.time()
+    with locked_output(out) as sink:
+        requests, by_job = await asyncio.to_thread(
+            plan, tasks, out, samples=samples, run_id=run_id, overrides=overrides
+        )
+        handlers = {str(task["id"]): str(task["handler"]) for task in tasks}
+        requests_by_id = {request.job_id: request for request in requests}
+        display = RunDisplay(len(requests), progress_stream, live=live)
+        report.total, report.display = len(requests), display
+        rejections = rejected_path(out)
+        rejections.unlink(missing_ok=True)
+        if not requests:
+            display.close()
+            return display
+        stream = _Stream(requests)
+        timelines: dict[str, Timeline] = {}
+        earlier: set[str] = set()
+        try:
+            async for item in client.rollout_many(stream.outgoing()):
                 if isinstance(item, v1.RolloutRejected):
-                    display.note(f"rejected {item.job_id}: {item.message}")
+                    task_id, sample = by_job.get(item.job_id, ("", -1))
+                    code = _code_name(item.code)
+                    with rejections.open("a") as listed:
+                        line = {"task_id": task_id, "sample": sample, "job_id": item.job_id}
+                        listed.write(json.dumps({**line, "code": code, "message": item.message}) + "\n")
+                    report.rejected += 1
+                    display.note(f"rejected {task_id or item.job_id} (sample {sample}): {code}: {item.message}")
                     display.finished(item.job_id, ok=False, reward=0.0)
+                    stream.ended()
                     continue
                 timeline = timelines.setdefault(item.job_id, Timeline())
-                if item.HasField("finished"):
-                    result = item.finished.result
-                    task_id, sample = by_job[item.job_id]
-                    record = result_record(
-                        task_id, sample, result, handler=handlers[task_id], timeline=timeline.finish(item)
-                    )
-                    sink.write(json.dumps(record) + "\n")
-                    sink.flush()
-                    del timelines[item.job_id]
-                    display.finished(item.job_id, ok=result.status == v1.JOB_STATUS_SUCCEEDED, reward=result.reward)
-                else:
+                if item.HasField("queued") and item.time.ToNanoseconds() / 1e9 < started_at - 1.0:
+                    earlier.add(item.job_id)
+                if not item.HasField("finished"):
                     timeline.add(item)
                     if item.HasField("phase_started"):
                         display.started(item.job_id)
-    finally:
-        display.close()
+                    continue
+                result = item.finished.result
+                task_id, sample = by_job[item.job_id]
+                del timelines[item.job_id]
+                if item.job_id in earlier and not _usable(result):
+                    # A result kept from an earlier run's job (its server stopped, say), under an
+                    # id this run reused: run that rollout afresh under the next attempt's id.
+                    retry = next_attempt(item.job_id)
+                    request = v1.RolloutRequest()
+                    request.CopyFrom(requests_by_id[item.job_id])
+                    request.job_id = retry
+                    requests_by_id[retry] = request
+                    by_job[retry] = (task_id, sample)
+                    report.rerun += 1
+                    stream.add(request)
+                    stream.ended()
+                    continue
+                if item.job_id in earlier:
+                    report.from_earlier += 1
+                record = result_record(
+                    task_id, sample, result, handler=handlers[task_id], timeline=timeline.finish(item)
+                )
+                sink.write(json.dumps(record) + "\n")
+                sink.flush()
+                report.count(result)
+                display.finished(item.job_id, ok=result.status == v1.JOB_STATUS_SUCCEEDED, reward=result.reward)
+                stream.ended()
+        finally:
+            display.close()
     return display
+
+
+class _Stream:
+    """The requests of one RolloutStream: the planned ones, then any re-run; it ends (so the
+    server ends the call) once every job sent has ended."""
+
+    def __init__(self, requests: list[v1.RolloutRequest]) -> None:
+        self._queue: asyncio.Queue[v1.RolloutRequest | None] = asyncio.Queue()
+        self._open = 0
+        for request in requests:
+            self.add(request)
+
+    def add(self, request: v1.RolloutRequest) -> None:
+        self._open += 1
+        self._queue.put_nowait(request)
+
+    def ended(self) -> None:
+        self._open -= 1
+        if self._open <= 0:
+            self._queue.put_nowait(None)
+
+    async def outgoing(self) -> AsyncIterator[v1.RolloutRequest]:
+        while (request := await self._queue.get()) is not None:
+            yield request
+
+
+def _usable(result: v1.RolloutResult) -> bool:
+    return result.status != v1.JOB_STATUS_CANCELLED and result.failure.kind != v1.FAILURE_KIND_INFRASTRUCTURE
+
+
+def next_attempt(job_id: str) -> str:
+    """`x-0` -> `x-0.r1`, `x-0.r1` -> `x-0.r2`."""
+    match = re.fullmatch(r"(.*)\.r(\d+)", job_id)
+    return f"{match[1]}.r{int(match[2]) + 1}" if match else f"{job_id}.r1"
+
+
+def _code_name(code: int) -> str:
+    """A status code's name (3: INVALID_ARGUMENT)."""
+    for status in grpc.StatusCode:
+        number, _ = status.value
+        if number == code:
+            return str(status.name)
+    return str(code)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -301,17 +501,142 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="prorl", description="Stream a dataset of tasks through a prorl server.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    run_parser = commands.add_parser("run", help="run TASKS.jsonl, append results to --out (resumable)")
-    run_parser.add_argument("tasks", type=Path)
+def add_run_parser(commands: Any) -> None:
+    run_parser = commands.add_parser(
+        "run",
+        help="run TASKS.jsonl, append results to --out (resumable)",
+        description="Run every task of TASKS.jsonl --samples times; append one line per rollout to --out. "
+        "Rerun the same command to resume. Exit status: 0 all done, 1 some rollouts cancelled or failed as "
+        "infrastructure (rerun to run them again), 2 bad task lines or usage, 3 requests rejected (see "
+        "RESULTS.rejected.jsonl), 4 server unreachable, 5 output file in use, 130 interrupted.",
+    )
+    run_parser.add_argument("tasks", type=Path, help="task lines (JSONL); '-' for standard input")
     run_parser.add_argument("--out", type=Path, required=True)
-    run_parser.add_argument("--server", default="localhost:50051", help="host:port of the prorl server")
+    cli_common.add_connection_flags(run_parser)
     run_parser.add_argument("--samples", type=int, default=1, help="rollouts per task (a GRPO group)")
     run_parser.add_argument("--handler", default="math", help="handler of lines that name none")
-    run_parser.add_argument("--token", default=os.environ.get("PRORL_TOKEN"), help="bearer token (or PRORL_TOKEN)")
-    run_parser.add_argument("--tls-ca", type=Path, help="PEM CA certificate: connect with TLS, trusting it")
+    run_parser.add_argument("--limit", type=int, help="only the first N tasks")
+    run_parser.add_argument("--max-turns", type=int, help="limits.max_turns of every task")
+    run_parser.add_argument("--max-tokens", type=int, help="sampling.max_tokens of every task (per model turn)")
+    run_parser.add_argument("--temperature", type=float, help="sampling.temperature of every task")
+    run_parser.add_argument(
+        "--run-id",
+        help="prefix of the job ids (default: from the output file's path); a new one gives fresh samples "
+        "rather than the server's stored results of an earlier run",
+    )
+    run_parser.add_argument(
+        "--strict", action="store_true", help="submit nothing if any task line is bad (default: skip bad lines)"
+    )
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    limits = {"max_turns": args.max_turns} if args.max_turns is not None else {}
+    sampling: dict[str, Any] = {}
+    if args.max_tokens is not None:
+        sampling["max_tokens"] = args.max_tokens
+    if args.temperature is not None:
+        sampling["temperature"] = args.temperature
+    return {"limits": limits, "sampling": sampling}
+
+
+def _read_tasks(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[LineError]]:
+    if str(args.tasks) == "-":
+        return read_task_lines(Path("<stdin>"), args.handler, text=sys.stdin.read())
+    return read_task_lines(args.tasks, args.handler)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if args.samples < 1:
+        return cli_common.fail("prorl run: --samples must be at least 1", cli_common.EXIT_USAGE)
+    for flag in ("limit", "max_turns", "max_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            return cli_common.fail(f"prorl run: --{flag.replace('_', '-')} must be at least 1", cli_common.EXIT_USAGE)
+    if args.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._:-]{1,40}", args.run_id):
+        return cli_common.fail("prorl run: --run-id takes 1-40 of A-Z a-z 0-9 . _ : -", cli_common.EXIT_USAGE)
+    if str(args.tasks) != "-" and not args.tasks.is_file():
+        return cli_common.fail(f"prorl run: no task file {args.tasks}", cli_common.EXIT_USAGE)
+    tasks, errors = _read_tasks(args)
+    for error in errors:
+        print(f"prorl run: {error}", file=sys.stderr)
+    if errors and args.strict:
+        return cli_common.fail(
+            f"prorl run: {len(errors)} bad task line(s); nothing submitted (--strict)", cli_common.EXIT_USAGE
+        )
+    if args.limit is not None:
+        tasks = tasks[: args.limit]
+    run_id = args.run_id or default_run_id(args.out)
+    report = RunReport()
+
+    async def go() -> None:
+        async with cli_common.connect(args) as client:
+            await run(
+                client, tasks, args.out, samples=args.samples, run_id=run_id, overrides=_overrides(args), report=report
+            )
+
+    cancel_hint = f"prorl cancel --server {args.server} --label {RUN_LABEL}={run_id}"
+    try:
+        asyncio.run(go())
+    except KeyboardInterrupt:
+        print(
+            f"\nprorl run: interrupted at {report.written}/{report.total}; the jobs keep running on the server; "
+            f"rerun the same command to resume, or cancel them: {cancel_hint}",
+            file=sys.stderr,
+        )
+        return cli_common.EXIT_INTERRUPTED
+    except OutputLocked:
+        return cli_common.fail(
+            f"prorl run: another prorl run is writing {args.out}; wait for it to end or pass another --out",
+            cli_common.EXIT_LOCKED,
+        )
+    except RpcError as exc:
+        where = f" after {report.written}/{report.total} rollouts" if report.written else ""
+        line = cli_common.rpc_error_line(exc, args.server)
+        return cli_common.fail(f"{line}{where}; rerun the same command to resume", cli_common.EXIT_UNREACHABLE)
+    print_summary(read_records(args.out), sys.stderr)
+    return _report(args, report, errors)
+
+
+def _report(args: argparse.Namespace, report: RunReport, errors: list[LineError]) -> int:
+    """The run's last lines (what it wrote, what was not done and why) and its exit status."""
+
+    def say(text: str) -> None:
+        print(f"prorl run: {text}", file=sys.stderr)
+
+    if not report.total:
+        say(f"nothing to run: every rollout is already done in {args.out}")
+    else:
+        say(
+            f"wrote {report.written} of {report.total} rollouts to {args.out}: {report.succeeded} succeeded, "
+            f"{report.policy_failed} failed as the policy's (reward 0, a training sample), "
+            f"{report.not_done} cancelled or failed as infrastructure"
+        )
+    if report.from_earlier:
+        say(
+            f"{report.from_earlier} of them are the stored results of jobs an earlier run submitted under the "
+            "same ids; pass --run-id NEW for fresh samples"
+        )
+    if report.rerun:
+        say(f"{report.rerun} rollouts ran again: the server held them cancelled or failed as infrastructure")
+    if report.not_done:
+        say(f"{report.not_done} not done (status in {args.out}): rerun the same command to run them again")
+    if report.rejected:
+        say(f"{report.rejected} requests rejected by the server: listed in {rejected_path(args.out)}")
+    if errors:
+        say(f"{len(errors)} bad task line(s) skipped (above)")
+    if report.rejected:
+        return cli_common.EXIT_REJECTED
+    if errors:
+        return cli_common.EXIT_USAGE
+    if report.not_done or report.written < report.total:
+        return cli_common.EXIT_ROLLOUTS_FAILED
+    return cli_common.EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prorl", description="Stream a dataset of tasks through a prorl server.")
+    parser.add_argument("--version", action="version", version=f"prorl {cli_common.client_version()}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_run_parser(commands)
     view_parser = commands.add_parser("view", help="write RESULTS.jsonl as one self-contained HTML page")
     view_parser.add_argument("results", type=Path)
     view_parser.add_argument(
@@ -325,9 +650,10 @@ def main(argv: list[str] | None = None) -> int:
         "or its folder (needs tokenizers); token ids only without it",
     )
     swe_import.add_parser(commands)
-    from prorl_client import tail  # here: tail writes its records with this module's result_record
+    from prorl_client import jobs_cli, tail  # here: tail writes its records with this module's result_record
 
     tail.add_parser(commands)
+    jobs_cli.add_parsers(commands)
     args = parser.parse_args(argv)
     if args.command == "import-swe":
         return swe_import.command(args)
@@ -337,19 +663,9 @@ def main(argv: list[str] | None = None) -> int:
         from prorl_client.viewer import view_command
 
         return view_command(args.results, out=args.out, jobs=args.job, tokenizer=args.tokenizer)
-    if args.samples < 1:
-        parser.error("--samples must be at least 1")
-    tasks = load_tasks(args.tasks, args.handler)
-
-    async def go() -> RunDisplay:
-        credentials = grpc.ssl_channel_credentials(args.tls_ca.read_bytes()) if args.tls_ca else None
-        async with Client.connect(args.server, credentials=credentials, token=args.token) as client:
-            return await run(client, tasks, args.out, samples=args.samples)
-
-    display = asyncio.run(go())
-    print_summary(read_records(args.out), sys.stderr)
-    print(f"{display.done} rollouts written to {args.out} ({display.failed} failed)", file=sys.stderr)
-    return 0 if display.done == display.total else 1
+    if args.command == "run":
+        return run_command(args)
+    return jobs_cli.command(args)
 
 
 if __name__ == "__main__":
