@@ -74,7 +74,7 @@ test-all: setup proto-check lint test-without-podman
 	$(PYTEST) -q --durations=15
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
-bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed
+bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification
 
 bench-sandbox: setup
 	$(PIP) install --quiet -e '.[bench]'
@@ -95,6 +95,11 @@ bench-cluster: setup
 # server's RSS without a subscriber and with a slow one (no Podman: fake sandboxes, scripted LLM).
 bench-feed: setup
 	$(PYTHON) bench/feed.py
+
+# GetStats latency, right answers' job time and server RSS with 20 hostile math answers being
+# verified, beside the same right answers alone (no Podman: fake sandboxes, scripted LLM).
+bench-verification: setup
+	$(PYTHON) bench/verification.py
 
 demo: setup
 	$(PYTHON) -m prorl_server demo --out demo_trajectories.jsonl

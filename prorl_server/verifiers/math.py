@@ -11,7 +11,8 @@ Two things math-verify gets wrong on its own are fixed around it:
   `4.56e-7`, and `10^{-8}` equals 0. An equivalence it finds between two numbers is kept
   only when they are also relatively close (`NUMERIC_REL_TOL`; where the gold is exactly 0,
   within `ZERO_ABS_TOL`).
-Hedges need nothing more: math-verify reads "2 or 3", "2, 3", `\\{2, 3\\}`, `[1, 3]` or
+Two plain numbers of the same value are equal even where math-verify misses it (a float
+against an integer: `6.02e23` and `602000000000000000000000`). Hedges need nothing more: math-verify reads "2 or 3", "2, 3", `\\{2, 3\\}`, `[1, 3]` or
 `2 \\pm 1` as a set or an interval, which equals no single gold value.
 """
 
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from typing import Any
 
 from prorl_server.verifiers.checker_pool import shared_pool
+from prorl_server.verifiers.stem import parse_quantity
 
 NUMERIC_REL_TOL = 1e-5
 """math-verify's own rounding allows at most about 5e-6 relatively for values from 0.1 up."""
@@ -66,6 +69,17 @@ def _relatively_close(gold: list[Any], answer: list[Any]) -> bool:
     return math.isclose(gold_number, answer_number, rel_tol=NUMERIC_REL_TOL, abs_tol=0.0)
 
 
+def _same_plain_number(gold: str, answer: str) -> bool:
+    """Both written as plain numbers (decimal or scientific) of the same value: math-verify
+    misses some (6.02e23 against 602000000000000000000000, a float against an integer)."""
+    gold_number, answer_number = parse_quantity(gold), parse_quantity(answer)
+    if gold_number is None or answer_number is None or gold_number.unit or answer_number.unit:
+        return False
+    if gold_number.value == 0:
+        return abs(answer_number.value) <= Decimal(ZERO_ABS_TOL)
+    return abs(answer_number.value - gold_number.value) <= abs(gold_number.value) * Decimal("1e-12")
+
+
 def verify_math(gold: str, answer: str) -> tuple[bool, dict[str, Any]]:
     """True when `answer` is mathematically equal to `gold`; details say what was parsed.
     Runs in a checker process (it imports math-verify)."""
@@ -82,6 +96,8 @@ def verify_math(gold: str, answer: str) -> tuple[bool, dict[str, Any]]:
         and math_verify.verify(gold_parsed, answer_parsed, timeout_seconds=None)
         and _relatively_close(gold_parsed, answer_parsed)
     )
+    if not correct:
+        correct = _same_plain_number(gold, answer)
     return correct, {
         "gold_parsed": [str(item)[:1000] for item in gold_parsed],
         "answer_parsed": [str(item)[:1000] for item in answer_parsed],
