@@ -97,10 +97,9 @@ def request(job_id: str, handler: str, gold: Any, answer: str) -> v1.RolloutRequ
 
 
 def right_answers(count: int) -> list[v1.RolloutRequest]:
-    return [
-        request(f"right-math-{i}", "math", 42, "42") if i % 2 == 0 else request(f"right-stem-{i}", "stem", 6.626e-34, "6.63e-34 J s")
-        for i in range(count)
-    ]  # fmt: skip
+    math = [request(f"right-math-{i}", "math", 42, "42") for i in range(0, count, 2)]
+    stem = [request(f"right-stem-{i}", "stem", 6.626e-34, "6.63e-34 J s") for i in range(1, count, 2)]
+    return math + stem
 
 
 def rss_mib(pid: int) -> float:
@@ -154,7 +153,9 @@ async def measure(label: str, requests: list[v1.RolloutRequest], args: argparse.
     client, stats_client = Client.connect(address), Client.connect(address)
     try:
         await client.wait_ready()
-        warm = await run_batch(client, [request("warm-math", "math", 42, "42"), request("warm-stem", "stem", "1.0", "1")])
+        warm = await run_batch(
+            client, [request("warm-math", "math", 42, "42"), request("warm-stem", "stem", "1.0", "1")]
+        )
         if any(result.reward != 1.0 for result, _ in warm.values()):
             run.problems.append(f"{label}: the warm-up did not score 1")
         run.start_mib = rss_mib(process.pid)
@@ -218,7 +219,7 @@ async def main(args: argparse.Namespace) -> int:
         await measure("baseline", right_answers(args.right), args),
         await measure("hostile", hostile + right_answers(args.right), args),
     ]
-    print("\n| run | batch wall | GetStats p50 / max | right answers' job time p50 / max | server RSS start / peak / end |")
+    print("\n| run | batch wall | GetStats p50 / max | right answers' job time p50 / max | server RSS start/peak/end |")
     print("| --- | --- | --- | --- | --- |")
     for run in runs:
         print(

@@ -22,7 +22,6 @@ from grpc_reflection.v1alpha import reflection
 
 from prorl_client import v1
 from prorl_server.agents.registry import HandlerRegistry, default_registry
-from prorl_server.verifiers import checker_pool
 from prorl_server.api.admin_servicer import AdminServicer
 from prorl_server.api.auth import BearerTokenInterceptor
 from prorl_server.api.errors import ErrorInterceptor
@@ -57,6 +56,7 @@ from prorl_server.sandbox.none import NoSandboxes
 from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
 from prorl_server.sandbox.podman.service import PodmanService
 from prorl_server.stats import PhaseLoad, ServerStats
+from prorl_server.verifiers import checker_pool
 
 log = structlog.get_logger(__name__)
 

@@ -73,5 +73,7 @@ class StemHandler(ToolLoopHandler[StemInstance, RunOutcome]):
         if answer is None:
             return EvalOutcome(0.0, {**details, "verdict": "no answer submitted"})
         instance = ctx.instance
-        correct, parsed = await verify_stem_answer(as_text(instance.answer), answer, instance.choices, instance.tolerance())
+        correct, parsed = await verify_stem_answer(
+            as_text(instance.answer), answer, instance.choices, instance.tolerance()
+        )
         return EvalOutcome(1.0 if correct else 0.0, {**details, **parsed, "verdict": "correct" if correct else "wrong"})

@@ -245,8 +245,9 @@ class CheckerPool:
             )
         self._release(checker)
         if error == "recursion":
-            raise VerificationFailed(f"checking {what} overflowed the stack: it nests too deeply",
-                                     reason="verification_crashed")
+            raise VerificationFailed(
+                f"checking {what} overflowed the stack: it nests too deeply", reason="verification_crashed"
+            )
         if error is not None:
             raise InfrastructureError(f"the {request['check']} check failed: {reply.get('message', '')}"[:2000])
         return reply["result"]

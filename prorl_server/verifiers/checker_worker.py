@@ -9,10 +9,10 @@ requests on stdin/stdout until stdin ends.
 
 Frames are a 4-byte big-endian length and a JSON object. Request: `{"check": name, "args":
 {...}, "time_limit_s": s}`; reply: `{"result": ...}`, `{"error": "memory"}` (the process exits
-after it), `{"error": "recursion"}` or `{"error": "exception", "message": ...}` (a bug). Every reply carries `rss_mib`, so that
-the pool can retire a process a check left large. The pool kills the process when a check
-runs past its time; RLIMIT_CPU, re-armed before each check, is the backstop should the pool
-itself be unable to.
+after it), `{"error": "recursion"}` or `{"error": "exception", "message": ...}` (a bug).
+Every reply carries `rss_mib`, so that the pool can retire a process a check left large.
+The pool kills the process when a check runs past its time; RLIMIT_CPU, re-armed before
+each check, is the backstop should the pool itself be unable to.
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ def _math(gold: str, answer: str) -> list[Any]:
     return list(verify_math(gold, answer))
 
 
-def _stem(gold: str, answer: str, choices: list[str] | None = None, tolerance: dict[str, Any] | None = None) -> list[Any]:
+def _stem(
+    gold: str, answer: str, choices: list[str] | None = None, tolerance: dict[str, Any] | None = None
+) -> list[Any]:
     return list(verify_stem(gold, answer, choices, tolerance))
 
 

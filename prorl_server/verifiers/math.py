@@ -12,8 +12,9 @@ Two things math-verify gets wrong on its own are fixed around it:
   only when they are also relatively close (`NUMERIC_REL_TOL`; where the gold is exactly 0,
   within `ZERO_ABS_TOL`).
 Two plain numbers of the same value are equal even where math-verify misses it (a float
-against an integer: `6.02e23` and `602000000000000000000000`). Hedges need nothing more: math-verify reads "2 or 3", "2, 3", `\\{2, 3\\}`, `[1, 3]` or
-`2 \\pm 1` as a set or an interval, which equals no single gold value.
+against an integer: `6.02e23` and `602000000000000000000000`). Hedges need nothing more:
+math-verify reads "2 or 3", "2, 3", `\\{2, 3\\}`, `[1, 3]` or `2 \\pm 1` as a set or an
+interval, which equals no single gold value.
 """
 
 from __future__ import annotations

@@ -96,18 +96,20 @@ def choice_letter(answer: str, choices: Sequence[str]) -> str | None:
 # --- numbers and units -----------------------------------------------------------
 
 _SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻⁺", "0123456789-+")
-_MINUS = str.maketrans({"−": "-", "–": "-", "\u2009": " ", "\u202f": " ", "\xa0": " "})
+_MINUS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2009": " ", "\u202f": " ", "\xa0": " "})
 _LATEX_TEXT = re.compile(r"\\(?:mathrm|text|textrm|mathit|operatorname)\s*\{([^{}]*)\}")
 _LATEX_SPACES = re.compile(r"\\[,;:! ]|\\quad|\$")
 _PREFIX = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]{0,15}\s*=\s*)?(?:[≈~]\s*|(?:about|approximately|approx\.)\s+)?", re.I)
 _NUMBER = re.compile(
     r"(?P<sign>[+-]?)\s*(?P<mantissa>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)"
     r"(?:\s*[eE]\s*(?P<e1>[+-]?\d+)"
-    r"|\s*(?:[x×*·⋅]|\\times|\\cdot)\s*10\s*(?:\^|\*\*)\s*"
+    r"|\s*(?:[x\u00d7*\u00b7\u22c5]|\\times|\\cdot)\s*10\s*(?:\^|\*\*)\s*"
     r"(?:\{\s*(?P<e2>[+-]?\d+)\s*\}|\(\s*(?P<e3>[+-]?\d+)\s*\)|(?P<e4>[+-]?\d+))"
-    r"|\s*(?:[x×*·⋅]|\\times|\\cdot)\s*10(?P<e5>[⁺⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+))?"
+    r"|\s*(?:[x\u00d7*\u00b7\u22c5]|\\times|\\cdot)\s*10(?P<e5>[⁺⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+))?"
 )
-_UNIT_EXPONENT = re.compile(r"(?:\^|\*\*)\s*(?:\{\s*[+-]?\d+\s*\}|\(\s*[+-]?\d+\s*\)|[+-]?\d+)|(?<=[A-Za-zµμΩÅ°])[+-]?\d")
+_UNIT_EXPONENT = re.compile(
+    r"(?:\^|\*\*)\s*(?:\{\s*[+-]?\d+\s*\}|\(\s*[+-]?\d+\s*\)|[+-]?\d+)|(?<=[A-Za-zµμΩÅ°])[+-]?\d"
+)
 _UNIT_CHARS = re.compile(r"[A-Za-zµμΩÅ°%·⋅*/^(){}\s+-]+")
 
 
@@ -159,7 +161,7 @@ def _unit(text: str) -> Any | None:
 
 def parse_quantity(text: str) -> Quantity | None:
     """`text` as one number with an optional unit ("6.63e-34 J s", "6.626 \\times 10^{-34}",
-    "c = 2.998×10⁸ m/s"); None when it is anything else."""
+    "c = 2.998 x 10⁸ m/s", with the multiplication sign too); None when it is anything else."""
     cleaned = _clean(str(text))
     if len(cleaned) > MAX_NUMBER_CHARS:
         return None
@@ -250,7 +252,7 @@ async def verify_stem_answer(
 ) -> tuple[bool, dict[str, Any]]:
     """`verify_stem` in a checker process: never on the event loop, never past the pool's
     limits (then `VerificationFailed`, the job's own POLICY failure)."""
-    args = {"gold": gold, "answer": answer, "choices": list(choices) if choices else None}
+    args: dict[str, Any] = {"gold": gold, "answer": answer, "choices": list(choices) if choices else None}
     args["tolerance"] = dict(tolerance) if tolerance else None
     correct, details = await shared_pool().check("stem", args, what="the STEM answer")
     return bool(correct), dict(details)

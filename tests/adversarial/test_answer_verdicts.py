@@ -73,10 +73,10 @@ RIGHT_NUMBERS = {
     "unit-on-both": ("6.626e-34 J s", "6.63e-34 J*s"),
     "other-prefix": ("6.626e-34 J s", "6.626e-31 mJ s"),
     "middle-dot": ("6.626e-34 J s", "6.626e-34 J·s"),
-    "times-ten": (PLANCK, "6.626 × 10^-34"),
+    "times-ten": (PLANCK, "6.626 × 10^-34"),  # noqa: RUF001
     "latex": (PLANCK, "$6.626\\times10^{-34}\\,\\mathrm{J\\,s}$"),
-    "superscripts": (PLANCK, "h = 6.626×10⁻³⁴ J·s"),
-    "charge": (CHARGE, "1.602 × 10^{-19} C"),
+    "superscripts": (PLANCK, "h = 6.626×10⁻³⁴ J·s"),  # noqa: RUF001
+    "charge": (CHARGE, "1.602 × 10^{-19} C"),  # noqa: RUF001
     "electron-mass-grams": ("9.109e-31 kg", "9.109e-28 g"),
     "gold-coarser": ("9.8", "9.81"),
     "trailing-zero": ("9.81", "9.810"),
@@ -109,7 +109,12 @@ def test_right_numbers_score_1(gold: str, answer: str) -> None:
 def test_the_tolerance_is_relative_and_in_the_details() -> None:
     correct, details = verify_stem(PLANCK, "0")
     assert not correct
-    assert details["tolerance"] == {"rel_tol": 1e-4, "abs_tol": 1e-9, "sig_figs": 3, "allowed": pytest.approx(6.626e-38)}
+    assert details["tolerance"] == {
+        "rel_tol": 1e-4,
+        "abs_tol": 1e-9,
+        "sig_figs": 3,
+        "allowed": pytest.approx(6.626e-38),
+    }
     assert "off by" in details["reason"]
 
 
