@@ -15,8 +15,8 @@ check runs in a separate process (`checker_worker.py`) with a hard memory limit,
   `verification_crashed`.
 
 Processes start when first needed, so a server that never checks math or STEM never starts
-one. One pool serves a process (`shared_pool`); a server holds it with `hold_shared_pool` and
-the last one to let go stops it.
+one. One pool serves a process (`shared_pool`); a server holds it with `hold_shared_pool`
+(its `verifier` settings apply) and the last one to let go stops its processes.
 """
 
 from __future__ import annotations
@@ -32,13 +32,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from prorl_server.config import VerifierSettings
 from prorl_server.errors import InfrastructureError, PolicyError
 from prorl_server.verifiers.checker_worker import frame
-
-log = structlog.get_logger(__name__)
 
 START_TIMEOUT_S = 120.0
 """A checker process that is not ready by then (imports and warm-up) is an infrastructure failure."""
@@ -77,7 +73,17 @@ class _FairSlots:
                 self._waiters.remove(waiter)
             raise
 
+    def resize(self, delta: int) -> None:
+        """More slots at once, or fewer as checks now running end."""
+        self._free += delta
+        while self._free > 0 and self._waiters:
+            self._free -= 1
+            self.release()
+
     def release(self) -> None:
+        if self._free < 0:  # shrunk: this slot goes away
+            self._free += 1
+            return
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -187,6 +193,18 @@ class CheckerPool:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.killed = 0
         """Processes killed mid-check: past its time or memory, crashed, or its job cancelled."""
+
+    def reconfigure(self, settings: VerifierSettings) -> None:
+        """New limits: the time limit from the next check on, the memory limit from the next
+        process on (idle ones are retired), the number of processes as checks end."""
+        if settings == self.settings:
+            return
+        self._slots.resize(settings.processes - self.settings.processes)
+        if settings.memory_limit_mib != self.settings.memory_limit_mib:
+            idle, self._idle = self._idle, []
+            for checker in idle:
+                self._discard(checker)
+        self.settings = settings
 
     @property
     def waiting(self) -> int:
@@ -308,15 +326,11 @@ def shared_pool() -> CheckerPool:
 
 
 async def hold_shared_pool(settings: VerifierSettings) -> None:
-    """A server starts using the shared pool with its settings (the first holder's apply)."""
-    if _Shared.holders == 0:
-        _Shared.settings = settings
-        pool = _Shared.pool
-        if pool is not None and pool.settings != settings:  # started unconfigured by a bare verifier call
-            _Shared.pool = None
-            await pool.close()
-    elif settings != _Shared.settings:
-        log.warning("checker_pool_settings_ignored", reason="another server of this process set them first")
+    """A server starts using the shared pool; its settings apply from now on (the latest
+    holder's, should several servers share a process)."""
+    _Shared.settings = settings
+    if _Shared.pool is not None:
+        _Shared.pool.reconfigure(settings)
     _Shared.holders += 1
 
 

@@ -2,7 +2,7 @@
 
 Started by `CheckerPool` as `python -m prorl_server.verifiers.checker_worker MEMORY_MIB`. Before
 it reads any answer it lowers its own priority (the server's event loop and sandboxes come
-first), caps its address space (RLIMIT_AS: a check that needs more gets MemoryError), asks the
+first; it starts at the server's, so that a replacement is ready soon), caps its address space (RLIMIT_AS: a check that needs more gets MemoryError), asks the
 kernel to kill it when the server dies, and imports and warms up the checks (math-verify,
 sympy, pint), so that their start-up never counts against a job's time. Then it answers
 requests on stdin/stdout until stdin ends.
@@ -70,7 +70,6 @@ def _die_with_parent() -> None:
 
 
 def _limit(memory_mib: int) -> None:
-    os.nice(NICENESS)
     limit = memory_mib << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -118,6 +117,9 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:  # the server says why no checker could start
         replies.write(frame({"ready": False, "error": "".join(traceback.format_exception_only(exc)).strip()}))
         return 1
+    # Started at the server's priority (a replacement is ready sooner on a busy machine);
+    # every answer is checked at a lower one.
+    os.nice(NICENESS)
     replies.write(frame({"ready": True, "rss_mib": _rss_mib()}))
     while (request := read_frame(requests)) is not None:
         reply = _answer(CHECKS, request)
