@@ -151,15 +151,21 @@ class _Checker:
             raise ValueError("a checker's reply is not an object")
         return value
 
-    async def call(self, request: dict[str, Any]) -> dict[str, Any] | None:
-        """The reply; None when the process ended without one."""
+    async def send(self, request: dict[str, Any]) -> bool:
+        """False when the process is gone (it cannot take the request)."""
         stdin = self.process.stdin
         assert stdin is not None
+        if stdin.is_closing():
+            return False
         try:
             stdin.write(frame(request))
             await stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
-            return None
+            return False
+        return True
+
+    async def reply(self) -> dict[str, Any] | None:
+        """The reply to the request sent; None when the process ended without one."""
         reply = await self._read()
         if reply is not None:
             self.rss_mib = float(reply.get("rss_mib", 0.0))
@@ -223,18 +229,32 @@ class CheckerPool:
         self.loop = self.loop or asyncio.get_running_loop()
         await self._slots.acquire()
         try:
-            checker = self._idle.pop() if self._idle else await _Checker.start(self.settings.memory_limit_mib)
-            return await self._run(checker, {"check": name, "args": args}, what)
+            checker = await self._checker()
+            if not await checker.send({"check": name, "args": args, "time_limit_s": self.settings.time_limit_s}):
+                self._discard(checker)  # it died idle: not this answer's doing, a fresh one checks it
+                checker = await _Checker.start(self.settings.memory_limit_mib)
+                if not await checker.send({"check": name, "args": args, "time_limit_s": self.settings.time_limit_s}):
+                    self._discard(checker)
+                    raise CheckerError("a fresh checker process did not take its check")
+            return await self._run(checker, name, what)
         finally:
             self._slots.release()
 
-    async def _run(self, checker: _Checker, request: dict[str, Any], what: str) -> Any:
-        """One check in `checker`, which goes back to the idle list or is killed."""
+    async def _checker(self) -> _Checker:
+        """An idle process that is still alive, else a fresh one."""
+        while self._idle:
+            checker = self._idle.pop()
+            if checker.alive:
+                return checker
+            self._discard(checker)
+        return await _Checker.start(self.settings.memory_limit_mib)
+
+    async def _run(self, checker: _Checker, name: str, what: str) -> Any:
+        """The reply to the check `checker` was sent; it goes back to the idle list or is killed."""
         limit = self.settings.time_limit_s
-        request["time_limit_s"] = limit
         try:
             async with asyncio.timeout(limit):
-                reply = await checker.call(request)
+                reply = await checker.reply()
         except TimeoutError:
             self._discard(checker, killed=True)
             raise VerificationFailed(
@@ -267,7 +287,7 @@ class CheckerPool:
                 f"checking {what} overflowed the stack: it nests too deeply", reason="verification_crashed"
             )
         if error is not None:
-            raise InfrastructureError(f"the {request['check']} check failed: {reply.get('message', '')}"[:2000])
+            raise InfrastructureError(f"the {name} check failed: {reply.get('message', '')}"[:2000])
         return reply["result"]
 
     def _release(self, checker: _Checker) -> None:

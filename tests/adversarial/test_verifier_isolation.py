@@ -131,3 +131,12 @@ def process_limits(pid: int) -> tuple[list[str], int, int]:
     address_space = next(line for line in limits if line.startswith("Max address space")).split()[3:5]
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # fields[0] is stat's field 3
     return address_space, int(fields[16]), int(fields[1])
+
+
+async def test_a_checker_that_died_idle_is_replaced_without_blaming_the_next_answer(pool: CheckerPool) -> None:
+    assert await check_math(pool, "42")
+    (pid,) = pool.pids
+    os.kill(pid, signal.SIGKILL)
+    await assert_eventually(lambda: not alive(pid), message=f"checker {pid} still runs after SIGKILL")
+    assert await check_math(pool, "42")  # a right answer, in a fresh process, still scores
+    assert pool.killed == 0
