@@ -1,11 +1,12 @@
 """The checker process: runs answer checks for the server, one at a time, under hard limits.
 
-Started by `CheckerPool` as `python -m prorl_server.verifiers.checker_worker MEMORY_MIB`. Before
-it reads any answer it lowers its own priority (the server's event loop and sandboxes come
-first; it starts at the server's, so that a replacement is ready soon), caps its address space (RLIMIT_AS: a check that needs more gets MemoryError), asks the
-kernel to kill it when the server dies, and imports and warms up the checks (math-verify,
-sympy, pint), so that their start-up never counts against a job's time. Then it answers
-requests on stdin/stdout until stdin ends.
+Started by `CheckerPool` as `python -m prorl_server.verifiers.checker_worker MEMORY_MIB`. It
+caps its address space (RLIMIT_AS: a check that needs more gets MemoryError), asks the
+kernel to kill it when the server dies, imports and warms up the checks (math-verify, sympy,
+pint) at the server's priority, so that their start-up never counts against a job's time
+and a replacement is ready soon, and then, before it reads any answer, lowers its priority
+(the server's event loop and sandboxes come first). Then it answers requests on
+stdin/stdout until stdin ends.
 
 Frames are a 4-byte big-endian length and a JSON object. Request: `{"check": name, "args":
 {...}, "time_limit_s": s}`; reply: `{"result": ...}`, `{"error": "memory"}` (the process exits
