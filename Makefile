@@ -11,7 +11,7 @@ export PYTHON
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-demo setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo train-demo clean-containers bench bench-sandbox bench-llm bench-load bench-cluster bench-feed
+.PHONY: setup setup-demo setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo train-demo clean-containers bench bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification
 
 setup: setup-host setup-python images
 
@@ -74,7 +74,7 @@ test-all: setup proto-check lint test-without-podman
 	$(PYTEST) -q --durations=15
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
-bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed
+bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification
 
 bench-sandbox: setup
 	$(PIP) install --quiet -e '.[bench]'
@@ -95,6 +95,11 @@ bench-cluster: setup
 # server's RSS without a subscriber and with a slow one (no Podman: fake sandboxes, scripted LLM).
 bench-feed: setup
 	$(PYTHON) bench/feed.py
+
+# GetStats latency, right answers' job time and server RSS with 20 hostile math answers being
+# verified, beside the same right answers alone (no Podman: fake sandboxes, scripted LLM).
+bench-verification: setup
+	$(PYTHON) bench/verification.py
 
 # The demo's own set-up is lighter than `setup`: Podman, the venv with the server and the embedded
 # model only (no Go, C++, PostgreSQL, Slurm, chromium, torch or test tools), and the images.

@@ -56,6 +56,7 @@ from prorl_server.sandbox.none import NoSandboxes
 from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
 from prorl_server.sandbox.podman.service import PodmanService
 from prorl_server.stats import PhaseLoad, ServerStats
+from prorl_server.verifiers import checker_pool
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +102,7 @@ class ProrlServer:
         self.jobs: JobService | None = None
         self.port = 0
         self._stopped = False
+        self._holds_checkers = False
 
     @property
     def gateway_port(self) -> int | None:
@@ -136,6 +138,8 @@ class ProrlServer:
         await self._provider.start()
         self._sandboxes = SandboxAllocator(self._provider, self._warm_pool_specs())
         self._sandboxes.start()
+        await checker_pool.hold_shared_pool(settings.verifier)
+        self._holds_checkers = True
         await self._start_backends()
         if settings.server.gateway_port is not None:
             self._gateway_server = GatewayServer(
@@ -399,6 +403,8 @@ class ProrlServer:
             await self._store.close()
         if self._sandboxes is not None:
             await self._sandboxes.close()
+        if self._holds_checkers:
+            await checker_pool.release_shared_pool()
         if self._provider is not None:
             await self._provider.close()
         await self._router.close()

@@ -282,6 +282,20 @@ class SubscribeSettings(_Section):
     """Events read from the store at once per subscriber (its memory: one page)."""
 
 
+class VerifierSettings(_Section):
+    """The checker processes that run answer checks a policy's text can make slow (math-verify,
+    STEM numbers and units): a hostile answer costs its own job a slot for at most time_limit_s."""
+
+    processes: int = Field(4, ge=1, le=256)
+    """Checker processes at most (started when first needed); checks beyond them wait in turn."""
+    time_limit_s: float = Field(10.0, gt=0)
+    """Wall time of one job's check, from when a process takes it; past it the process is killed
+    (and replaced) and the job fails POLICY / verification_timeout."""
+    memory_limit_mib: int = Field(1024, ge=256)
+    """Address space of each checker process (RLIMIT_AS); a check that needs more fails the job
+    POLICY / verification_memory."""
+
+
 class Settings(_Section):
     server: ServerSettings = ServerSettings()
     phases: PhaseSettings = PhaseSettings()
@@ -290,6 +304,7 @@ class Settings(_Section):
     sandbox: SandboxSettings = SandboxSettings()
     llm: LLMSettings = LLMSettings()
     cluster: ClusterSettings = ClusterSettings()
+    verifier: VerifierSettings = VerifierSettings()
 
 
 def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:

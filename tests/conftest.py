@@ -19,11 +19,12 @@ from podman import PodmanClient
 
 from prorl_client import Client
 from prorl_server.app import ProrlServer
-from prorl_server.config import Settings, load_settings
+from prorl_server.config import Settings, VerifierSettings, load_settings
 from prorl_server.errors import ConsumerTooSlow
 from prorl_server.sandbox.base import LABEL_JOB, LABEL_MANAGED, LABEL_SERVER, SandboxSpec
 from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
 from prorl_server.sandbox.podman.service import PodmanService
+from prorl_server.verifiers import checker_pool
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import Script, ScriptedLLMServer
 
@@ -76,6 +77,15 @@ def job_containers(podman_url: str, job_id: str) -> list[Any]:
 def server_containers(podman_url: str, instance_id: str) -> list[Any]:
     with PodmanClient(base_url=podman_url) as client:
         return list(client.containers.list(all=True, filters={"label": f"{LABEL_SERVER}={instance_id}"}))
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session", autouse=True)
+async def checker_processes() -> AsyncIterator[None]:
+    """One pool of checker processes (math and STEM checks) for the whole session, so that a
+    server stopping does not make the next test start them again; stopped at the end."""
+    await checker_pool.hold_shared_pool(VerifierSettings())
+    yield
+    await checker_pool.release_shared_pool()
 
 
 @pytest_asyncio.fixture

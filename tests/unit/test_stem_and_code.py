@@ -35,6 +35,10 @@ def test_choice_letter_ignores_letters_beyond_the_choices() -> None:
         ("the mitochondria", "Mitochondria", True),
         ("3.0", "3.1", False),
         ("oxygen", "nitrogen", False),
+        # Relative, never absolute: 0 is not Planck's constant (tests/adversarial has the rest).
+        ("6.626e-34", "0", False),
+        ("6.626e-34", "6.63e-34 J s", True),
+        ("9.109e-31", "9.109e-28", False),
     ],
 )
 def test_short_answers(gold: str, answer: str, correct: bool) -> None:

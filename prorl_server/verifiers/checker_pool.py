@@ -1,0 +1,362 @@
+"""A bounded pool of killable checker processes: where answer checks a policy can make slow run.
+
+math-verify (sympy) on `\\boxed{9^{9^{8}}}` computes for minutes and takes gigabytes, and
+no Python thread can be stopped; run in the server it blocked the event loop, and run in a
+thread pool it kept its thread (and the memory) after its job had given up. Here every such
+check runs in a separate process (`checker_worker.py`) with a hard memory limit, and:
+
+- slots are handed out in arrival order, one check per slot, so a hostile job holds one
+  process for at most `time_limit_s` and the jobs behind it get theirs in turn;
+- a check's time runs from when its process takes it (waiting for a slot is not counted);
+  past it the process is killed (SIGKILL, not asked) and the slot starts a fresh one for
+  the next check;
+- the failure is the job's own: `VerificationFailed` is a `PolicyError` (reward 0, kind
+  POLICY) with reason `verification_timeout`, `verification_memory` or
+  `verification_crashed`.
+
+Processes start when first needed, so a server that never checks math or STEM never starts
+one. One pool serves a process (`shared_pool`); a server holds it with `hold_shared_pool`
+(its `verifier` settings apply) and the last one to let go stops its processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from prorl_server.config import VerifierSettings
+from prorl_server.errors import InfrastructureError, PolicyError
+from prorl_server.verifiers.checker_worker import frame
+
+START_TIMEOUT_S = 120.0
+"""A checker process that is not ready by then (imports and warm-up) is an infrastructure failure."""
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class VerificationFailed(PolicyError):
+    """The answer made its own check fail: too slow, too large, or it crashed the checker."""
+
+
+class CheckerError(InfrastructureError):
+    """A checker process could not be started or spoke nonsense."""
+
+    reason = "checker_unavailable"
+
+
+class _FairSlots:
+    """A semaphore that serves waiters strictly in arrival order."""
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def acquire(self) -> None:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed a slot as it was cancelled: pass it on
+                self.release()
+            else:
+                self._waiters.remove(waiter)
+            raise
+
+    def resize(self, delta: int) -> None:
+        """More slots at once, or fewer as checks now running end."""
+        self._free += delta
+        while self._free > 0 and self._waiters:
+            self._free -= 1
+            self.release()
+
+    def release(self) -> None:
+        if self._free < 0:  # shrunk: this slot goes away
+            self._free += 1
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._free += 1
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+
+class _Checker:
+    """One checker process and its pipes."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.rss_mib = 0.0
+
+    @classmethod
+    async def start(cls, memory_limit_mib: int) -> _Checker:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "prorl_server.verifiers.checker_worker",
+            str(memory_limit_mib),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            env=env,
+            cwd="/",
+            start_new_session=True,  # a ^C to the server's group is the server's to handle
+        )
+        _LIVE_PIDS.add(process.pid)
+        checker = cls(process)
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                ready = await checker._read()
+        except (TimeoutError, OSError, ValueError) as exc:
+            await checker.kill()
+            raise CheckerError(f"a checker process did not start: {exc or type(exc).__name__}") from None
+        except BaseException:  # cancelled while it started: the child watcher reaps it
+            checker.kill_now()
+            _LIVE_PIDS.discard(process.pid)
+            raise
+        if ready is None or not ready.get("ready"):
+            code = await checker.kill()
+            why = ready.get("error") if ready else f"it exited with status {code}"
+            raise CheckerError(f"a checker process could not start: {why}")
+        checker.rss_mib = float(ready.get("rss_mib", 0.0))
+        return checker
+
+    async def _read(self) -> dict[str, Any] | None:
+        stdout = self.process.stdout
+        assert stdout is not None
+        try:
+            header = await stdout.readexactly(4)
+            body = await stdout.readexactly(int.from_bytes(header, "big"))
+        except asyncio.IncompleteReadError:
+            return None
+        value = json.loads(body)
+        if not isinstance(value, dict):
+            raise ValueError("a checker's reply is not an object")
+        return value
+
+    async def send(self, request: dict[str, Any]) -> bool:
+        """False when the process is gone (it cannot take the request)."""
+        stdin = self.process.stdin
+        assert stdin is not None
+        if stdin.is_closing():
+            return False
+        try:
+            stdin.write(frame(request))
+            await stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        return True
+
+    async def reply(self) -> dict[str, Any] | None:
+        """The reply to the request sent; None when the process ended without one."""
+        reply = await self._read()
+        if reply is not None:
+            self.rss_mib = float(reply.get("rss_mib", 0.0))
+        return reply
+
+    def kill_now(self) -> None:
+        """SIGKILL at once (synchronous: safe in a cancelled task); `kill` also reaps."""
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+
+    async def kill(self) -> int | None:
+        self.kill_now()
+        code = await self.process.wait()
+        _LIVE_PIDS.discard(self.process.pid)
+        return code
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+
+class CheckerPool:
+    """At most `settings.processes` checker processes; `check` runs one check in one of them."""
+
+    def __init__(self, settings: VerifierSettings | None = None) -> None:
+        self.settings = settings or VerifierSettings()
+        self._slots = _FairSlots(self.settings.processes)
+        self._idle: list[_Checker] = []
+        self._reaping: set[asyncio.Task[int | None]] = set()
+        self._closed = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.killed = 0
+        """Processes killed mid-check: past its time or memory, crashed, or its job cancelled."""
+
+    def reconfigure(self, settings: VerifierSettings) -> None:
+        """New limits: the time limit from the next check on, the memory limit from the next
+        process on (idle ones are retired), the number of processes as checks end."""
+        if settings == self.settings:
+            return
+        self._slots.resize(settings.processes - self.settings.processes)
+        if settings.memory_limit_mib != self.settings.memory_limit_mib:
+            idle, self._idle = self._idle, []
+            for checker in idle:
+                self._discard(checker)
+        self.settings = settings
+
+    @property
+    def waiting(self) -> int:
+        """Checks waiting for a slot."""
+        return self._slots.waiting
+
+    @property
+    def pids(self) -> list[int]:
+        return [checker.process.pid for checker in self._idle]
+
+    async def check(self, name: str, args: dict[str, Any], *, what: str = "the answer") -> Any:
+        """The named check's result on `args`; `VerificationFailed` if the check went past its
+        limits, `InfrastructureError` if no checker process could be had or a check had a bug."""
+        if self._closed:
+            raise CheckerError("the server is stopping: no checker process is left")
+        self.loop = self.loop or asyncio.get_running_loop()
+        await self._slots.acquire()
+        try:
+            checker = await self._checker()
+            if not await checker.send({"check": name, "args": args, "time_limit_s": self.settings.time_limit_s}):
+                self._discard(checker)  # it died idle: not this answer's doing, a fresh one checks it
+                checker = await _Checker.start(self.settings.memory_limit_mib)
+                if not await checker.send({"check": name, "args": args, "time_limit_s": self.settings.time_limit_s}):
+                    self._discard(checker)
+                    raise CheckerError("a fresh checker process did not take its check")
+            return await self._run(checker, name, what)
+        finally:
+            self._slots.release()
+
+    async def _checker(self) -> _Checker:
+        """An idle process that is still alive, else a fresh one."""
+        while self._idle:
+            checker = self._idle.pop()
+            if checker.alive:
+                return checker
+            self._discard(checker)
+        return await _Checker.start(self.settings.memory_limit_mib)
+
+    async def _run(self, checker: _Checker, name: str, what: str) -> Any:
+        """The reply to the check `checker` was sent; it goes back to the idle list or is killed."""
+        limit = self.settings.time_limit_s
+        try:
+            async with asyncio.timeout(limit):
+                reply = await checker.reply()
+        except TimeoutError:
+            self._discard(checker, killed=True)
+            raise VerificationFailed(
+                f"checking {what} took longer than {limit:g}s (verifier.time_limit_s): its checker process was killed",
+                reason="verification_timeout",
+            ) from None
+        except BaseException:  # cancelled (or a broken pipe) mid-check: the process may still be computing
+            self._discard(checker, killed=True)
+            raise
+        error = None if reply is None else reply.get("error")
+        if reply is None or error == "memory":
+            self.killed += 1
+            code = await checker.kill()
+            if reply is not None:
+                raise VerificationFailed(
+                    f"checking {what} needed more than {self.settings.memory_limit_mib} MiB "
+                    "(verifier.memory_limit_mib)",
+                    reason="verification_memory",
+                )
+            if code == -signal.SIGXCPU:
+                raise VerificationFailed(
+                    f"checking {what} used more than twice its {limit:g}s in CPU time", reason="verification_timeout"
+                )
+            raise VerificationFailed(
+                f"checking {what} crashed its checker process (exit status {code})", reason="verification_crashed"
+            )
+        self._release(checker)
+        if error == "recursion":
+            raise VerificationFailed(
+                f"checking {what} overflowed the stack: it nests too deeply", reason="verification_crashed"
+            )
+        if error is not None:
+            raise InfrastructureError(f"the {name} check failed: {reply.get('message', '')}"[:2000])
+        return reply["result"]
+
+    def _release(self, checker: _Checker) -> None:
+        if self._keep(checker):
+            self._idle.append(checker)
+        else:
+            self._discard(checker)
+
+    def _keep(self, checker: _Checker) -> bool:
+        """Back to the idle list unless closed, dead, or left holding half its memory limit."""
+        return not self._closed and checker.alive and checker.rss_mib < self.settings.memory_limit_mib / 2
+
+    def _discard(self, checker: _Checker, *, killed: bool = False) -> None:
+        """Kill now, reap in the background (a cancelled caller cannot wait)."""
+        self.killed += killed
+        checker.kill_now()
+        task = asyncio.get_running_loop().create_task(checker.kill())
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
+
+    async def close(self) -> None:
+        """Kill every process; checks still running end with CheckerError or their own verdict."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for checker in idle:
+            await checker.kill()
+        if self._reaping:
+            await asyncio.gather(*self._reaping, return_exceptions=True)
+
+
+_LIVE_PIDS: set[int] = set()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """A process that exits without closing its pool takes its checkers with it."""
+    for pid in list(_LIVE_PIDS):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class _Shared:
+    pool: CheckerPool | None = None
+    settings: VerifierSettings | None = None
+    holders = 0
+
+
+def shared_pool() -> CheckerPool:
+    """This process's pool, for the running event loop (started, empty, on first use)."""
+    pool = _Shared.pool
+    loop = asyncio.get_running_loop()
+    if pool is None or pool._closed or (pool.loop is not None and pool.loop is not loop):
+        pool = _Shared.pool = CheckerPool(_Shared.settings)
+        pool.loop = loop
+    return pool
+
+
+async def hold_shared_pool(settings: VerifierSettings) -> None:
+    """A server starts using the shared pool; its settings apply from now on (the latest
+    holder's, should several servers share a process)."""
+    _Shared.settings = settings
+    if _Shared.pool is not None:
+        _Shared.pool.reconfigure(settings)
+    _Shared.holders += 1
+
+
+async def release_shared_pool() -> None:
+    """A server is done with the shared pool; the last one stops its processes."""
+    _Shared.holders = max(_Shared.holders - 1, 0)
+    if _Shared.holders == 0 and _Shared.pool is not None:
+        pool, _Shared.pool = _Shared.pool, None
+        await pool.close()
