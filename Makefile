@@ -92,9 +92,10 @@ bench-sandbox: setup
 	$(PIP) install --quiet -e '.[bench]'
 	$(PYTHON) bench/sandbox.py
 
-bench-llm: setup
+bench-llm: setup setup-vllm
 	$(PYTHON) bench/llm.py
 	$(PYTHON) bench/gateway_relay.py --provider podman
+	$(PYTHON) bench/vllm_prefix.py
 
 # 1,000 jobs through one RolloutStream, 64 sandboxes at once; fails unless the server gets back to its baseline.
 bench-load: setup
