@@ -11,7 +11,7 @@ Runs in vLLM's own environment (scripts/setup_vllm.sh):
     python scripts/vllm_model.py OUT_DIR [--perturb N --from DIR]
 
 `--perturb N --from DIR` writes a copy of the model at DIR whose final norm is
-scaled by (1 + N/16): successive checkpoints that a test can tell apart by
+scaled by (1 + N/8): successive checkpoints that a test can tell apart by
 their log-probs, as a trainer's steps would be.
 """
 
@@ -57,12 +57,12 @@ def convert(out: Path) -> None:
 
 
 def perturb(source: Path, out: Path, step: int) -> None:
-    """A copy of `source` whose final RMSNorm weight is scaled by 1 + step/16 (all else equal)."""
+    """A copy of `source` whose final RMSNorm weight is scaled by 1 + step/8 (all else equal)."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(source / "model.safetensors"))
     key = "model.norm.weight"
-    tensors[key] = (tensors[key].float() * (1 + step / 16)).to(tensors[key].dtype)
+    tensors[key] = (tensors[key].float() * (1 + step / 8)).to(tensors[key].dtype)
 
     def write(tmp: Path) -> None:
         for item in source.iterdir():

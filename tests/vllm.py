@@ -218,7 +218,7 @@ def rescore(model: Path | None, sequences: Sequence[dict[str, Any]]) -> list[lis
 
 
 def make_checkpoint(source: Path, out: Path, step: int) -> Path:
-    """A distinguishable checkpoint: `source` with its final norm scaled by 1 + step/16."""
+    """A distinguishable checkpoint: `source` with its final norm scaled by 1 + step/8."""
     completed = subprocess.run(
         [str(VENV / "bin/python"), str(ROOT / "scripts/vllm_model.py"), str(out),
          "--perturb", str(step), "--from", str(source)],

@@ -25,7 +25,8 @@ from prorl_server.llm.openai_chat import OpenAIChatBackend
 from tests.integration.test_vllm_token_backend import math_job, vllm_backend
 from tests.vllm import SERVED_NAME, RecordingProxy, VLLMServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.podman]
+# The first test to use the session's vLLM waits for it to start (minutes on a busy CPU): tests/vllm.py.
+pytestmark = [pytest.mark.vllm, pytest.mark.podman, pytest.mark.timeout(2400)]
 
 FINISH = {
     "type": "function",

@@ -27,7 +27,8 @@ from prorl_server.llm.token_http import VLLMBackend
 from tests.fakes.token_servers import FakeVLLM
 from tests.vllm import MODEL, SERVED_NAME, VLLMServer
 
-pytestmark = pytest.mark.vllm
+# The first test to use the session's vLLM waits for it to start (minutes on a busy CPU): tests/vllm.py.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 2, 198, 1, 4093, 198, 1780, 314, 216, 38, 2, 198, 1, 520, 9531, 198]
 

@@ -23,7 +23,8 @@ import pytest
 from prorl_client import v1
 from tests.vllm import MODEL, SERVED_NAME, TOOL_CALL_PARSER, RecordingProxy, VLLMServer, rescore
 
-pytestmark = [pytest.mark.vllm, pytest.mark.podman]
+# The first test to use the session's vLLM waits for it to start (minutes on a busy CPU): tests/vllm.py.
+pytestmark = [pytest.mark.vllm, pytest.mark.podman, pytest.mark.timeout(2400)]
 
 TEMPERATURE = 0.7
 QUESTIONS = [("What is 6 * 7?", "42"), ("What is 12 + 30?", "42"), ("What is 2 ** 5?", "32"), ("What is 81 / 9?", "9")]

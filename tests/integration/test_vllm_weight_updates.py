@@ -28,7 +28,8 @@ from prorl_client import Client, RpcError, v1
 from tests.integration.test_vllm_token_backend import vllm_backend
 from tests.vllm import MODEL, VLLMServer, make_checkpoint, rescore
 
-pytestmark = [pytest.mark.vllm, pytest.mark.podman]
+# The first test to use the session's vLLM waits for it to start (minutes on a busy CPU): tests/vllm.py.
+pytestmark = [pytest.mark.vllm, pytest.mark.podman, pytest.mark.timeout(2400)]
 
 UPDATES = 5
 JOBS = 32
@@ -58,7 +59,7 @@ async def restored(vllm: VLLMServer) -> AsyncIterator[VLLMServer]:
     await vllm.post("/update_weight_version", {"new_version": "default"})
 
 
-def job(index: int, *, max_turns: int = 4, max_tokens: int = 48) -> v1.RolloutRequest:
+def job(index: int, *, max_turns: int = 3, max_tokens: int = 24) -> v1.RolloutRequest:
     a, b = QUESTIONS[index % len(QUESTIONS)].removeprefix("What is ").removesuffix("?").split(" * ")
     request = v1.RolloutRequest(handler="math", job_id=f"update-{index}")
     request.instance.update({"question": QUESTIONS[index % len(QUESTIONS)], "answer": str(int(a) * int(b))})
@@ -174,7 +175,7 @@ async def test_a_turn_aborted_by_pause_is_resampled_under_the_new_version(
     _, client = await start_server(
         None, llm={"backends": [vllm_backend(vllm.base_url)], "embedded": {"enabled": "never"}}
     )
-    jobs = [asyncio.create_task(_collect(client, job(100 + i, max_turns=2, max_tokens=200))) for i in range(4)]
+    jobs = [asyncio.create_task(_collect(client, job(100 + i, max_turns=2, max_tokens=96))) for i in range(4)]
     await _until(lambda: vllm.metrics(), lambda m: m.get("vllm:num_requests_running", 0) >= 1)
     pause = await client.pause(abort_in_flight=True)
     assert pause.aborted >= 1
