@@ -15,7 +15,7 @@ export PRORL_VLLM_VENV := $(VLLM_VENV)
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-load bench-cluster bench-feed
+.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-vllm bench-load bench-cluster bench-feed
 
 setup: setup-host setup-python images
 
@@ -92,9 +92,13 @@ bench-sandbox: setup
 	$(PIP) install --quiet -e '.[bench]'
 	$(PYTHON) bench/sandbox.py
 
-bench-llm: setup setup-vllm
+bench-llm: setup
 	$(PYTHON) bench/llm.py
 	$(PYTHON) bench/gateway_relay.py --provider podman
+
+# Two real vLLM servers under the router: prefix-cache hit rate sticky vs per-turn least-loaded,
+# and turns/s through prorl against the same prompts posted to vLLM directly.
+bench-vllm: setup setup-vllm
 	$(PYTHON) bench/vllm_prefix.py
 
 # 1,000 jobs through one RolloutStream, 64 sandboxes at once; fails unless the server gets back to its baseline.

@@ -114,12 +114,9 @@ async def test_math_rollouts_on_a_real_vllm_have_exact_ids_and_its_logprobs(
     assert multi_turn >= 1, "no job took a second turn: the incremental prompts were not exercised"
     assert any(t.text for _, turns in runs for t in turns)
 
-    processed = [value for seq in await asyncio.to_thread(rescore, MODEL, sequences) for value in seq]
-    raw = [
-        value
-        for seq in await asyncio.to_thread(rescore, MODEL, [{**s, "temperature": 1.0} for s in sequences])
-        for value in seq
-    ]
+    both = await asyncio.to_thread(rescore, MODEL, [*sequences, *({**s, "temperature": 1.0} for s in sequences)])
+    processed = [value for seq in both[: len(sequences)] for value in seq]
+    raw = [value for seq in both[len(sequences) :] for value in seq]
     delta = [abs(a - b) for a, b in zip(served, processed, strict=True)]
     delta_raw = [abs(a - b) for a, b in zip(served, raw, strict=True)]
     print(

@@ -81,43 +81,52 @@ async def aborted_in_vllm(vllm: VLLMServer) -> float:
 
 
 def version_check(results: list[v1.RolloutResult], checkpoints: list[Path]) -> tuple[int, int, list[float]]:
-    """(turns, tokens whose weights are not their turn's version, |Δ| to the claimed version's weights)."""
+    """(turns, tokens whose weights are not their turn's version, |Δ| to the claimed version's weights).
+
+    Each job's trajectory is scored once per checkpoint one of its turns claims or neighbours."""
     requests: list[dict[str, Any]] = []
-    asked: list[tuple[int, int, int]] = []  # (result index, span index, version scored)
+    asked: list[tuple[int, int]] = []  # (result index, version scored)
     for r, result in enumerate(results):
         trajectory = result.trajectory
-        for s, span in enumerate(trajectory.turn_spans):
-            for version in {span.policy_version - 1, span.policy_version, span.policy_version + 1}:
-                if 0 <= version < len(checkpoints):
-                    asked.append((r, s, version))
-                    requests.append(
-                        {
-                            "model": str(checkpoints[version]),
-                            "token_ids": list(trajectory.token_ids[: span.end]),
-                            "positions": list(range(span.start, span.end)),
-                            "temperature": 1.0,
-                        }
-                    )
+        versions = {v for span in trajectory.turn_spans for v in (span.policy_version + d for d in (-1, 0, 1))}
+        positions = [i for span in trajectory.turn_spans for i in range(span.start, span.end)]
+        for version in sorted(v for v in versions if 0 <= v < len(checkpoints)):
+            asked.append((r, version))
+            requests.append(
+                {
+                    "model": str(checkpoints[version]),
+                    "token_ids": list(trajectory.token_ids),
+                    "positions": positions,
+                    "temperature": 1.0,
+                }
+            )
     order = sorted(range(len(requests)), key=lambda i: requests[i]["model"])  # one checkpoint loaded at a time
     by_order = rescore(None, [requests[i] for i in order])
-    scored: list[list[float]] = [[] for _ in requests]
+    scored: dict[tuple[int, int], dict[int, float]] = {}
     for i, values in zip(order, by_order, strict=True):
-        scored[i] = values
-    fits: dict[tuple[int, int], dict[int, float]] = {}
-    deltas: dict[tuple[int, int], list[float]] = {}
-    for (r, s, version), values in zip(asked, scored, strict=True):
-        span = results[r].trajectory.turn_spans[s]
-        served = list(results[r].trajectory.logprobs[span.start : span.end])
-        delta = [abs(a - b) for a, b in zip(served, values, strict=True)]
-        fits.setdefault((r, s), {})[version] = statistics.fmean(delta) if delta else 0.0
-        if version == span.policy_version:
-            deltas[(r, s)] = delta
-    wrong = 0
-    for (r, s), by_version in fits.items():
-        span = results[r].trajectory.turn_spans[s]
-        if span.end > span.start and min(by_version, key=lambda v: by_version[v]) != span.policy_version:
-            wrong += span.end - span.start
-    return len(fits), wrong, [d for values in deltas.values() for d in values]
+        r, version = asked[i]
+        scored[(r, version)] = dict(zip(requests[i]["positions"], values, strict=True))
+    turns = wrong = 0
+    deltas: list[float] = []
+    for r, result in enumerate(results):
+        trajectory = result.trajectory
+        for span in trajectory.turn_spans:
+            turns += 1
+            if span.end == span.start:
+                continue
+            served = trajectory.logprobs[span.start : span.end]
+            fit = {
+                version: statistics.fmean(
+                    abs(a - by_position[i]) for a, i in zip(served, range(span.start, span.end), strict=True)
+                )
+                for (j, version), by_position in scored.items()
+                if j == r and abs(version - span.policy_version) <= 1
+            }
+            if min(fit, key=lambda v: fit[v]) != span.policy_version:
+                wrong += span.end - span.start
+            claimed = scored[(r, span.policy_version)]
+            deltas.extend(abs(a - claimed[i]) for a, i in zip(served, range(span.start, span.end), strict=True))
+    return turns, wrong, deltas
 
 
 async def test_32_jobs_across_5_updates_keep_every_token_on_its_version(
@@ -129,19 +138,30 @@ async def test_32_jobs_across_5_updates_keep_every_token_on_its_version(
     )
     aborted_before = await aborted_in_vllm(vllm)
     finished = 0
+    turns_done = 0
+    progress = asyncio.Event()
 
     async def run(index: int) -> v1.RolloutResult:
-        nonlocal finished
-        events = [e async for e in client.rollout(job(index))]
+        nonlocal finished, turns_done
+        events = []
+        async for event in client.rollout(job(index)):
+            events.append(event)
+            if event.HasField("model_turn"):
+                turns_done += 1
+                progress.set()
         finished += 1
         return events[-1].finished.result
 
     jobs = [asyncio.create_task(run(i)) for i in range(JOBS)]
-    moments = random.Random(27)
+    # Random moments: after a random number of the run's model turns (at least one per job is
+    # sampled, so the last moment still finds jobs running, on a fast machine as on a slow one).
+    moments = sorted(random.Random(27).sample(range(2, JOBS - 1), UPDATES))
     aborted = 0
     running_at_update = []
-    for version in range(1, UPDATES + 1):
-        await asyncio.sleep(moments.uniform(0.5, 6.0))
+    for version, moment in enumerate(moments, start=1):
+        while turns_done < moment:
+            progress.clear()
+            await progress.wait()
         running_at_update.append(JOBS - finished)
         pause = await client.pause()
         aborted += pause.aborted
@@ -175,9 +195,13 @@ async def test_a_turn_aborted_by_pause_is_resampled_under_the_new_version(
     _, client = await start_server(
         None, llm={"backends": [vllm_backend(vllm.base_url)], "embedded": {"enabled": "never"}}
     )
-    jobs = [asyncio.create_task(_collect(client, job(100 + i, max_turns=2, max_tokens=96))) for i in range(4)]
-    await _until(lambda: vllm.metrics(), lambda m: m.get("vllm:num_requests_running", 0) >= 1)
-    pause = await client.pause(abort_in_flight=True)
+    jobs = [asyncio.create_task(_collect(client, job(100 + i, max_turns=2, max_tokens=400))) for i in range(4)]
+    for _ in range(5):  # a turn may end between the probe and the pause: then try again
+        await _until(lambda: vllm.metrics(), lambda m: m.get("vllm:num_requests_running", 0) >= 1)
+        pause = await client.pause(abort_in_flight=True)
+        if pause.aborted:
+            break
+        await client.resume(0)  # nothing was aborted: go on under version 0
     assert pause.aborted >= 1
     update = await client.update_weights(str(checkpoints[1]), resume=True)
     assert update.policy_version == 1
