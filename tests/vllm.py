@@ -72,6 +72,9 @@ def environment() -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
+        # One engine step of 30 sequences took over vLLM's default 300 s on a machine loaded far
+        # past its two cores, and the engine shut itself down: wait as long as it takes.
+        VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="3600",
         DO_NOT_TRACK="1",
     )
     return env
