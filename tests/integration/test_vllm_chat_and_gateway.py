@@ -120,4 +120,4 @@ async def test_an_agent_program_on_the_gateway_runs_on_vllm_with_exact_ids(vllm:
     sample = exchange.response["choices"][0]["token_ids"]
     assert list(chain.token_ids) == exchange.request["prompt"] + sample == list(result.trajectory.token_ids)
     assert list(chain.loss_mask) == [0] * len(exchange.request["prompt"]) + [1] * len(sample)
-    assert result.details["submission"] is not None or "answer" in result.details
+    assert result.reward in (0.0, 1.0)  # judged by the math verifier on the reply's last line
