@@ -123,7 +123,7 @@ class VLLMServer:
         launched = time.monotonic()
         self.process = subprocess.Popen(  # noqa: ASYNC220 - returns at once; its output goes to a file
             flags(self.model, port=self.port, extra=self.extra),
-            env=environment(),
+            env={**environment(), "TMPDIR": str(log_path.parent)},  # its vllm_dist_* files go with the log
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
