@@ -7,11 +7,15 @@ PYTHON ?= $(VENV)/bin/python
 PIP ?= $(PYTHON) -m pip
 PYTEST ?= $(PYTHON) -m pytest
 export PYTHON
+# vLLM's CPU build and the model it serves, in an environment of their own (scripts/setup_vllm.sh);
+# the tests marked `vllm` and `make serve-vllm` use them.
+VLLM_VENV ?= $(CURDIR)/.venv-vllm
+export PRORL_VLLM_VENV := $(VLLM_VENV)
 # The embedded model's OpenMP threads wait without spinning: they share the
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-demo setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo train-demo clean-containers bench bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification
+.PHONY: setup setup-demo setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-vllm bench-load bench-cluster bench-feed bench-verification
 
 setup: setup-host setup-python images
 
@@ -27,6 +31,10 @@ $(VENV)/.installed: pyproject.toml prorl_client/pyproject.toml scripts/setup_pyt
 
 images:
 	bash scripts/build_images.sh
+
+# Quick once done (a stamp in the venv; the model folder is made once).
+setup-vllm:
+	VLLM_VENV=$(VLLM_VENV) SYSTEM_PYTHON=$(SYSTEM_PYTHON) bash scripts/setup_vllm.sh
 
 proto:
 	$(PYTHON) scripts/gen_proto.py
@@ -52,17 +60,21 @@ lint: lint-proto
 # Fast, and runs without Podman or PostgreSQL: the core (job manager, pipeline, tool loop, every
 # family, a real gRPC server) against the fake sandbox provider and scripted LLMs.
 test:
-	$(PYTEST) -m "not podman and not e2e and not slow and not postgres" -q
+	$(PYTEST) -m "not podman and not e2e and not slow and not postgres and not vllm" -q
 
 # The same fast suite on this machine with the podman command hidden (a private
 # mount namespace): proves `make test` needs no Podman.
 test-without-podman:
-	bash scripts/without_podman.sh $(PYTEST) -m "not podman and not e2e and not slow and not postgres" -q
+	bash scripts/without_podman.sh $(PYTEST) -m "not podman and not e2e and not slow and not postgres and not vllm" -q
 
 # The integration layer: real rootless Podman sandboxes, scripted fake LLM; and the
 # PostgreSQL job store against a throwaway cluster of its own (tests/postgres.py).
 test-integration:
 	$(PYTEST) -m "(podman or postgres) and not e2e and not slow" -q
+
+# Against a real vLLM (CPU build, SmolLM2-135M): one server started for the run (tests/vllm.py).
+test-vllm: setup setup-vllm
+	$(PYTEST) -m vllm -q
 
 # Slow: end to end with the real embedded model, and the long integration runs.
 test-e2e:
@@ -70,7 +82,7 @@ test-e2e:
 
 # Everything CI runs: set-up, generated-code check, lint, the fast suite without
 # Podman, then every test (with the slowest listed: how far they are from pytest's timeout).
-test-all: setup proto-check lint test-without-podman
+test-all: setup setup-vllm proto-check lint test-without-podman
 	$(PYTEST) -q --durations=15
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
@@ -83,6 +95,11 @@ bench-sandbox: setup
 bench-llm: setup
 	$(PYTHON) bench/llm.py
 	$(PYTHON) bench/gateway_relay.py --provider podman
+
+# Two real vLLM servers under the router: prefix-cache hit rate sticky vs per-turn least-loaded,
+# and turns/s through prorl against the same prompts posted to vLLM directly.
+bench-vllm: setup setup-vllm
+	$(PYTHON) bench/vllm_prefix.py
 
 # 1,000 jobs through one RolloutStream, 64 sandboxes at once; fails unless the server gets back to its baseline.
 bench-load: setup
@@ -100,6 +117,11 @@ bench-feed: setup
 # verified, beside the same right answers alone (no Podman: fake sandboxes, scripted LLM).
 bench-verification: setup
 	$(PYTHON) bench/verification.py
+
+# prorl-server with a real vLLM (CPU build, SmolLM2-135M) as its only backend instead of the
+# embedded model: vLLM on 127.0.0.1:8000, prorl's gRPC on 127.0.0.1:50051 (docs/llm.md).
+serve-vllm: setup setup-vllm
+	$(PYTHON) scripts/serve_vllm.py
 
 # The demo's own set-up is lighter than `setup`: Podman, the venv with the server and the embedded
 # model only (no Go, C++, PostgreSQL, Slurm, chromium, torch or test tools), and the images.

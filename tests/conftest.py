@@ -27,6 +27,8 @@ from prorl_server.sandbox.podman.service import PodmanService
 from prorl_server.verifiers import checker_pool
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import Script, ScriptedLLMServer
+from tests.vllm import VLLMServer
+from tests.vllm import missing as vllm_missing
 
 SANDBOX_USER = os.environ.get("PRORL_TEST_SANDBOX_USER", "prorl")
 # Where providers stage the runtime: two checkouts testing at once on one host each
@@ -101,6 +103,23 @@ async def scripted_llm() -> AsyncIterator[Callable[[Script], Awaitable[ScriptedL
     yield start
     for server in servers:
         await server.stop()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VLLMServer]:
+    """One real vLLM server (CPU build, SmolLM2-135M) for the whole run, stopped after it
+    (tests/vllm.py); tests that change its weights put the original ones back."""
+    why = vllm_missing()
+    if why:
+        pytest.fail(why)
+    server = VLLMServer()
+    if attach := os.environ.get("PRORL_TEST_VLLM_PORT"):  # one started by hand, while developing
+        server.port = int(attach)
+        yield server
+        return
+    await server.start(tmp_path_factory.mktemp("vllm") / "vllm.log")
+    yield server
+    await server.stop()
 
 
 def make_settings(podman_url: str, llm_url: str | None, **sections: dict[str, Any]) -> Settings:

@@ -24,6 +24,8 @@ class TurnSpan:
     policy_version: int
     logprobs_mode: str
     """"processed", "raw", or "" when the turn has no log-probs."""
+    resampled: bool = False
+    """Sampled again after a Pause aborted it (ChatResult.resampled)."""
 
 
 @dataclass(frozen=True)

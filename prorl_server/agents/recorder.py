@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from prorl_server.agents.events import EventSink, ModelTurnEvent, ToolCallEvent, ToolResultEvent, TurnSpan
 from prorl_server.agents.outcomes import ToolOutput
 from prorl_server.agents.tool_calls import ParsedCall
-from prorl_server.llm.base import ChatResult
+from prorl_server.llm.base import ChatResult, RoutedExperts
 from prorl_server.sandbox.output import cap_text
 
 TOOL_OUTPUT_BUDGET_BYTES = 1 << 20
@@ -51,6 +51,8 @@ class TrajectoryRecorder:
         self.messages: list[dict[str, Any]] = []
         self.policy_versions: list[int] = []
         self.turn_spans: list[TurnSpan] = []
+        self.routed_experts: RoutedExperts | None = None
+        """The last model turn's MoE routing (it covers the whole trajectory), where reported."""
         self.num_turns = 0
         self.format_errors = 0
         self.llm_s = 0.0
@@ -66,7 +68,10 @@ class TrajectoryRecorder:
         logprobs_mode = result.logprobs_mode if result.logprobs and result.logprobs_mode in LOGPROBS_MODES else ""
         if result.token_offset >= 0:
             end = result.token_offset + len(result.token_ids)
-            self.turn_spans.append(TurnSpan(turn, result.token_offset, end, result.policy_version, logprobs_mode))
+            self.turn_spans.append(
+                TurnSpan(turn, result.token_offset, end, result.policy_version, logprobs_mode, result.resampled)
+            )
+            self.routed_experts = result.routed_experts
         if self._observer is not None:
             self._observer.model_turn(
                 result.backend_id, result.latency_s, result.prompt_tokens, result.completion_tokens

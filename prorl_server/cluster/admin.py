@@ -29,7 +29,7 @@ import structlog
 
 from prorl_server.cluster.store import ADMIN_CHANNEL, UNREACHABLE, ClusterStore
 from prorl_server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ProrlError, Unavailable
-from prorl_server.llm.administration import WeightsUpdated, WeightUpdate, new_weights_version
+from prorl_server.llm.administration import WeightsUpdated, WeightUpdate, new_weights_version, tell_version
 from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.factory import build_backend
 from prorl_server.llm.router import BackendEntry, BackendRouter
@@ -115,6 +115,7 @@ class ClusterAdministration:
             raise _unreachable(exc) from None
         version = new_weights_version(request, max(current, self._router.policy_version))
         loaded = await self._router.load_weights(targets, request.model_path)
+        await tell_version(targets, version)
         await self._record(
             "update_weights",
             {
@@ -141,6 +142,7 @@ class ClusterAdministration:
             ]
             try:
                 await self._router.load_weights(targets, data["model_path"])
+                await tell_version(targets, version)
             except ProrlError as exc:
                 self._router.held = f"new weights (version {version}) failed to load: {exc.message}"
                 log.error("weights_not_loaded", policy_version=version, error=exc.message)

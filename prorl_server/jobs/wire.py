@@ -21,6 +21,7 @@ from prorl_server.agents.events import AgentEvent, ModelTurnEvent, ToolCallEvent
 from prorl_server.agents.recorder import TrajectoryRecorder
 from prorl_server.gateway.chains import TokenChain
 from prorl_server.jobs.record import JobView
+from prorl_server.llm.base import RoutedExperts
 
 LOGPROBS_MODES = {"processed": v1.LOGPROBS_MODE_PROCESSED, "raw": v1.LOGPROBS_MODE_RAW}
 PHASE_NAMES = {v1.PHASE_INIT: "init", v1.PHASE_RUN: "run", v1.PHASE_EVAL: "eval"}
@@ -77,6 +78,7 @@ def agent_event(event: AgentEvent) -> dict[str, Any]:
                 decode=duration(result.decode_s) if result.decode_s is not None else None,
                 logprobs_mode=LOGPROBS_MODES.get(event.logprobs_mode, v1.LOGPROBS_MODE_UNSPECIFIED),
                 token_offset=result.token_offset,
+                resampled=result.resampled,
             )
         }
     if isinstance(event, ToolCallEvent):
@@ -111,6 +113,7 @@ def turn_span(span: TurnSpan) -> v1.TurnSpan:
         end=span.end,
         policy_version=span.policy_version,
         logprobs_mode=LOGPROBS_MODES.get(span.logprobs_mode, v1.LOGPROBS_MODE_UNSPECIFIED),
+        resampled=span.resampled,
     )
 
 
@@ -158,6 +161,15 @@ def trajectory(
         format_errors=recorder.format_errors,
         num_turns=recorder.num_turns,
         chains=[token_chain(chain, recorder.turn_spans) for chain in chains],
+        routed_experts=routed_experts(recorder.routed_experts),
+    )
+
+
+def routed_experts(routed: RoutedExperts | None) -> v1.RoutedExperts | None:
+    if routed is None:
+        return None
+    return v1.RoutedExperts(
+        num_tokens=routed.num_tokens, num_layers=routed.num_layers, top_k=routed.top_k, expert_ids=routed.expert_ids
     )
 
 
@@ -168,7 +180,8 @@ def chain_spans(chain: TokenChain, recorded: Sequence[TurnSpan]) -> list[v1.Turn
     for call, (start, end) in zip(chain.calls, chain.turn_spans, strict=False):
         known = by_call.get(call)
         version = known.policy_version if known else (chain.policy_versions[end - 1] if end else 0)
-        spans.append(turn_span(TurnSpan(call, start, end, version, known.logprobs_mode if known else "")))
+        mode, resampled = (known.logprobs_mode, known.resampled) if known else ("", False)
+        spans.append(turn_span(TurnSpan(call, start, end, version, mode, resampled)))
     return spans
 
 

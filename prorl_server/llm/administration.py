@@ -7,6 +7,8 @@ the shared store, and every server applies it to its own router.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,6 +66,12 @@ def new_weights_version(request: WeightUpdate, current: int) -> int:
     return request.policy_version
 
 
+async def tell_version(entries: Sequence[BackendEntry], version: int) -> None:
+    """Each backend that loaded the weights records their version (vLLM's /update_weight_version),
+    while generation is still paused: no request is sampled between the load and the record."""
+    await asyncio.gather(*(entry.backend.set_weights_version(version) for entry in entries))
+
+
 class LocalAdministration:
     def __init__(self, router: BackendRouter, *, request_timeout_s: float, max_retries: int) -> None:
         self._router = router
@@ -88,6 +96,7 @@ class LocalAdministration:
         version = new_weights_version(request, self._router.policy_version)
         targets = self._router.weight_targets(request.backend_ids)
         loaded = await self._router.load_weights(targets, request.model_path)
+        await tell_version(targets, version)
         self._router.stage(version)
         if request.resume:
             self._router.resume(version)

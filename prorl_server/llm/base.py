@@ -51,6 +51,18 @@ class ApiToolCall:
 
 
 @dataclass(frozen=True)
+class RoutedExperts:
+    """The experts a mixture-of-experts model routed each token to, as the backend reported them
+    (vLLM's `routed_experts`): `expert_ids[(t * num_layers + l) * top_k + k]` for token t of the
+    sequence, layer l, choice k; `num_tokens` tokens from the sequence's start."""
+
+    num_tokens: int
+    num_layers: int
+    top_k: int
+    expert_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ChatResult:
     text: str
     finish_reason: str
@@ -75,6 +87,10 @@ class ChatResult:
     """"processed" (after temperature/top-p/top-k, the sampling distribution) or "raw" (before)."""
     token_offset: int = -1
     """Where token_ids start in the job's token trajectory (token backends; -1: none)."""
+    resampled: bool = False
+    """A Pause aborted this turn while it was being sampled; it was sampled again after Resume."""
+    routed_experts: RoutedExperts | None = None
+    """Token backends of MoE models that report it: the routing of the prompt and the sampled ids."""
 
 
 @dataclass
@@ -107,6 +123,8 @@ class Generation:
     latency_s: float
     prefill_s: float | None = None
     decode_s: float | None = None
+    routed_experts: RoutedExperts | None = None
+    """Where the backend reports it (vLLM started with --enable-return-routed-experts)."""
 
 
 class LLMBackend(abc.ABC):
@@ -129,6 +147,9 @@ class LLMBackend(abc.ABC):
             f"backend {self.info.id!r} ({self.info.kind}) cannot load weights through the service; "
             "update it yourself between Pause and Resume (docs/training.md)"
         )
+
+    async def set_weights_version(self, policy_version: int) -> None:
+        """Told the version of the weights it loaded last (vLLM records it as its weight version)."""
 
 
 class TokenBackend(LLMBackend):

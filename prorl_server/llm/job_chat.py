@@ -84,6 +84,7 @@ class JobChat:
             decode_s=generation.decode_s,
             tool_role=tokenizer.renders_tool_role,
             token_offset=conversation.turn_spans[-1][0],
+            routed_experts=generation.routed_experts,
         )
 
     def turn_spans(self) -> list[tuple[int, int]]:

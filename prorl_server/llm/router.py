@@ -222,7 +222,7 @@ class BackendRouter:
             entries = [e for e in self._entries.values() if e.backend.loads_weights]
             if not entries:
                 raise FailedPrecondition(
-                    "no backend in the pool can load weights through the service (the embedded model and "
+                    "no backend in the pool can load weights through the service (the embedded model, vLLM and "
                     "SGLang can); update the others yourself between Pause and Resume"
                 )
             return entries

@@ -1,7 +1,7 @@
 """One job's conversation with the backend router: the routing of each model turn.
 
 Per turn: lease a backend from the router, send the turn again after a Pause
-aborted it (once Resume lets it through), fail over to another healthy
+aborted it (once Resume lets it through, marked as re-sampled), fail over to another healthy
 backend when this one stays unreachable, and stamp the result with the
 policy version and any switch of backend. What a turn is on the leased
 backend (for a token backend, the exact token trajectory) is the job's
@@ -41,6 +41,7 @@ class LLMSession:
         stays unreachable (after its own retries) is marked unhealthy and the
         request goes to another healthy backend, if there is one.
         """
+        resampled = False
         while True:
             async with self._router.lease(self.job_id, min_version=self.min_policy_version) as entry:
                 version = self._router.policy_version
@@ -51,6 +52,7 @@ class LLMSession:
                 except asyncio.CancelledError:
                     current = asyncio.current_task()
                     if self._router.was_aborted(request) and current is not None and not current.cancelling():
+                        resampled = True
                         continue
                     raise
                 except LLMError as exc:
@@ -60,7 +62,7 @@ class LLMSession:
             switched = self._last_backend if self._last_backend and self._last_backend != entry.id else ""
             self._last_backend = entry.id
             return dataclasses.replace(
-                result, backend_id=entry.id, policy_version=version, switched_from_backend=switched
+                result, backend_id=entry.id, policy_version=version, switched_from_backend=switched, resampled=resampled
             )
 
     def turn_spans(self) -> list[tuple[int, int]]:

@@ -3,12 +3,25 @@
 vLLM: POST {base_url}/completions (its OpenAI-compatible server, base_url
 ending in /v1) with `prompt` as a list of token ids, `logprobs: 1` and vLLM's
 `return_tokens_as_token_ids: true`, so each sampled token comes back as
-"token_id:<id>" with its log-prob in `choices[0].logprobs`.
+"token_id:<id>" with its log-prob in `choices[0].logprobs`; with
+`return_token_ids: true` vLLM also lists the sampled ids (`token_ids`), which
+must be the same ids.
 
 SGLang: POST {base_url}/generate (its native endpoint, base_url without /v1)
 with `input_ids`, `sampling_params` and `return_logprob: true`; the sampled
 ids and log-probs come back in `meta_info.output_token_logprobs` as
 [logprob, token_id, text] triples.
+
+Weight updates (both): vLLM through its RL endpoints (served with
+VLLM_SERVER_DEV_MODE=1): POST /pause?mode=wait, /collective_rpc
+`reload_weights` with the checkpoint's folder, /reset_prefix_cache (no KV of
+the old weights is reused), /resume, then /update_weight_version; SGLang
+through POST /update_weights_from_disk.
+
+MoE routing: a vLLM started with --enable-return-routed-experts adds each
+choice's `routed_experts` (a base64 `.npy` array of shape (tokens - 1,
+layers, top_k) over the prompt and the sampled ids); it is passed on as is,
+and is None where the server sends none.
 
 Retries and error mapping: see http_client.py. The model's tokenizer and chat
 template come from a local Hugging Face tokenizer folder.
@@ -16,14 +29,19 @@ template come from a local Hugging Face tokenizer folder.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from prorl_server.errors import InvalidArgument, LLMError, Unavailable
-from prorl_server.llm.base import BackendInfo, Generation, Sampling, TokenBackend
+import aiohttp
+
+from prorl_server.errors import InvalidArgument, LLMError, ProrlError, Unavailable
+from prorl_server.llm.base import BackendInfo, Generation, RoutedExperts, Sampling, TokenBackend
 from prorl_server.llm.chat_template import ChatTokenizer
 from prorl_server.llm.http_client import HTTPClient
+from prorl_server.llm.npy import decode_npy_base64
 
 
 class HTTPTokenBackend(TokenBackend):
@@ -54,18 +72,30 @@ class HTTPTokenBackend(TokenBackend):
         body = await self._http.post(self.path, self.payload(list(prompt_ids), sampling))
         try:
             ids, logprobs, finish = self.parse(body)
+            routed = self.routed_experts(body)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise LLMError(
                 f"backend {self.info.id} sent a malformed answer ({exc!r}): {str(body)[:300]}",
                 reason="llm_bad_response",
             ) from exc
-        return Generation(tuple(ids), tuple(logprobs), finish, len(prompt_ids), time.perf_counter() - started)
+        return Generation(
+            tuple(ids),
+            tuple(logprobs),
+            finish,
+            len(prompt_ids),
+            time.perf_counter() - started,
+            routed_experts=routed,
+        )
 
     def payload(self, prompt_ids: list[int], sampling: Sampling) -> dict[str, Any]:
         raise NotImplementedError
 
     def parse(self, body: dict[str, Any]) -> tuple[list[int], list[float], str]:
         raise NotImplementedError
+
+    def routed_experts(self, body: dict[str, Any]) -> RoutedExperts | None:
+        """The answer's MoE routing, where the server reports one (else None)."""
+        return None
 
     async def check_health(self) -> bool:
         return await self._http.healthy(self.health_path)
@@ -86,6 +116,7 @@ class VLLMBackend(HTTPTokenBackend):
             "temperature": sampling.temperature,
             "logprobs": 1,
             "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
             "skip_special_tokens": False,
         }
         payload.update(sampling.optional_fields())
@@ -98,7 +129,94 @@ class VLLMBackend(HTTPTokenBackend):
         values = [float(v) if v is not None else 0.0 for v in logprobs["token_logprobs"]]
         if len(ids) != len(values):
             raise ValueError("tokens and token_logprobs differ in length")
+        sampled = choice.get("token_ids")  # vLLM's own list (return_token_ids); older servers send none
+        if sampled is not None and [int(i) for i in sampled] != ids:
+            raise ValueError(f"token_ids {sampled[:20]} are not the ids of the log-probs {ids[:20]}")
         return ids, values, str(choice.get("finish_reason") or "")
+
+    def routed_experts(self, body: dict[str, Any]) -> RoutedExperts | None:
+        encoded = body["choices"][0].get("routed_experts")
+        if encoded is None:
+            return None
+        shape, values = decode_npy_base64(str(encoded))
+        if len(shape) != 3:
+            raise ValueError(f"routed_experts has shape {shape}, not (tokens, layers, top_k)")
+        return RoutedExperts(num_tokens=shape[0], num_layers=shape[1], top_k=shape[2], expert_ids=tuple(values))
+
+    # --- weight updates through vLLM's RL API (VLLM_SERVER_DEV_MODE=1) --------------------
+
+    loads_weights = True
+    _weights_path = ""
+    """The checkpoint it loaded last through the service ("" until the first)."""
+
+    @property
+    def server_root(self) -> str:
+        """The server's root (the RL endpoints are not under /v1)."""
+        return self.info.base_url.removesuffix("/v1")
+
+    async def _control(self, path: str, payload: dict[str, Any] | None = None, **params: str) -> str:
+        """One POST to an RL endpoint, not retried: a failed reload must be seen as it is."""
+        url = f"{self.server_root}{path}"
+        try:
+            async with self._http.session.post(url, json=payload, params=params or None) as response:
+                text = await response.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise Unavailable(f"vLLM backend {self.info.id!r} was not reached at {url}: {exc!r}") from None
+        if response.status == 404:
+            raise InvalidArgument(
+                f"vLLM backend {self.info.id!r} has no {path} endpoint: start it with VLLM_SERVER_DEV_MODE=1 "
+                "(its RL endpoints), docs/llm.md"
+            )
+        if response.status >= 400:
+            raise InvalidArgument(f"{path} answered HTTP {response.status}: {_error_message(text)}")
+        return text
+
+    async def load_weights(self, model_path: str) -> None:
+        """Pause vLLM (finishing whatever it still runs), reload the weights in place from the
+        checkpoint folder, drop its prefix cache (no KV of the old weights is reused), resume.
+
+        vLLM's in-place reload is not transactional: a checkpoint it cannot read fails
+        half-way, with the model's layers already reset (the next forward pass crashed the
+        engine here, vLLM 0.32). So on a failure the checkpoint it served before is loaded
+        again before vLLM resumes, and the call fails saying so."""
+        previous = self._weights_path or await self._served_path()
+        await self._control("/pause", mode="wait")
+        try:
+            try:
+                await self._reload(model_path)
+            except InvalidArgument as exc:
+                try:
+                    await self._reload(previous)
+                except ProrlError as again:
+                    raise Unavailable(
+                        f"vLLM backend {self.info.id!r} did not load {model_path!r} ({exc.message}) and could not "
+                        f"load its previous weights {previous!r} back ({again.message}): restart it"
+                    ) from None
+                raise InvalidArgument(
+                    f"vLLM backend {self.info.id!r} did not load {model_path!r}: {exc.message}; "
+                    f"it serves its previous weights {previous!r} again"
+                ) from None
+            self._weights_path = model_path
+        finally:
+            await self._control("/resume")
+
+    async def _reload(self, model_path: str) -> None:
+        await self._control("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_path}})
+        await self._control("/reset_prefix_cache")
+
+    async def _served_path(self) -> str:
+        """The folder vLLM was started with (its model list's `root`)."""
+        url = f"{self.info.base_url}/models"
+        try:
+            async with self._http.session.get(url) as response:
+                body = await response.json(content_type=None)
+            return str(body["data"][0]["root"])
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise Unavailable(f"vLLM backend {self.info.id!r} did not say which weights it serves ({exc!r})") from None
+
+    async def set_weights_version(self, policy_version: int) -> None:
+        """vLLM's own record of the weights it serves (GET /weight_info) follows the policy version."""
+        await self._control("/update_weight_version", {"new_version": str(policy_version)})
 
 
 class SGLangBackend(HTTPTokenBackend):
@@ -137,3 +255,15 @@ class SGLangBackend(HTTPTokenBackend):
             raise InvalidArgument(
                 f"SGLang backend {self.info.id!r} did not load {model_path!r}: {body.get('message', 'no reason given')}"
             )
+
+
+def _error_message(text: str) -> str:
+    """vLLM's error text: {"error": {"message"}} or {"error": "..."} or {"detail"}, else the body."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        body = json.loads(text)
+        error = body.get("error") or body.get("detail")
+        if isinstance(error, dict):
+            error = error.get("message")
+        if error:
+            return str(error)[:500]
+    return text[:500]

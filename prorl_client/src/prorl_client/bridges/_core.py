@@ -86,6 +86,10 @@ class Rollout:
     """An infrastructure failure: train on none of its tokens and leave it out of its group's statistics."""
     reason: str
     """The failure's stable reason ("" when it succeeded), or `rejected:<code>`."""
+    routed_experts: list[list[list[int]]] | None = None
+    """MoE routing replay: per token of prompt_ids + response_ids from the first, per layer, the
+    experts chosen ([tokens][layers][top_k]; vLLM reports all but the last sampled token). None
+    where the backend reported none (a dense model, a chat backend): never made up."""
 
     @property
     def turn_policy_versions(self) -> list[int]:
@@ -197,7 +201,20 @@ def split(job_id: str, group_id: str, result: v1.RolloutResult, *, pad_token_id:
         reward=result.reward,
         masked=masked,
         reason=result.failure.reason if result.status != v1.JOB_STATUS_SUCCEEDED else "",
+        routed_experts=routed_experts(trajectory),
     )
+
+
+def routed_experts(trajectory: v1.Trajectory) -> list[list[list[int]]] | None:
+    """The trajectory's routed experts as [tokens][layers][top_k], or None where it has none."""
+    if not trajectory.HasField("routed_experts"):
+        return None
+    routed = trajectory.routed_experts
+    ids, layers, top_k = list(routed.expert_ids), routed.num_layers, routed.top_k
+    if len(ids) != routed.num_tokens * layers * top_k:
+        raise ValueError(f"routed_experts has {len(ids)} ids, not {routed.num_tokens} x {layers} x {top_k}")
+    per_layer = [ids[i : i + top_k] for i in range(0, len(ids), top_k)]
+    return [per_layer[t * layers : (t + 1) * layers] for t in range(routed.num_tokens)]
 
 
 def _token_versions(trajectory: v1.Trajectory, length: int) -> list[int]:

@@ -103,7 +103,10 @@ def generator_output(rollouts: Sequence[Rollout], *, trajectory_ids: Sequence[An
         "trajectory_ids": list(trajectory_ids) if trajectory_ids is not None else None,
         "trajectory_generation_times": [_seconds(r) for r in rollouts],
         "trajectory_time_splits": None,
-        "rollout_expert_indices": None,
+        # [batch][tokens][layers][top_k] where every sample has its routing (an MoE model on vLLM), else None.
+        "rollout_expert_indices": (
+            [r.routed_experts for r in rollouts] if rollouts and all(r.routed_experts for r in rollouts) else None
+        ),
         "is_last_step": None,
         "env_metrics": [{"prorl_job_id": r.job_id, "prorl_status": r.status} for r in rollouts],
         "pixel_values": None,

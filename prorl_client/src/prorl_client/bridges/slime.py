@@ -122,6 +122,8 @@ def fill_sample(sample: Any, rollout: Rollout, *, reward: float) -> None:
     sample.rollout_log_probs = list(rollout.response_logprobs)
     sample.reward = reward
     sample.weight_versions = [str(v) for v in rollout.turn_policy_versions]
+    if rollout.routed_experts is not None:  # MoE routing replay: [tokens][layers][top_k] over sample.tokens
+        sample.rollout_routed_experts = rollout.routed_experts
     sample.remove_sample = rollout.masked
     sample.response = _response_text(rollout)
     if rollout.masked:

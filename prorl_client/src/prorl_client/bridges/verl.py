@@ -117,6 +117,8 @@ def agent_loop_output(rollout: Rollout, *, reward: float | None = None) -> dict[
         "response_mask": rollout.response_mask,
         "response_logprobs": rollout.response_logprobs,
         "reward_score": reward,
+        # MoE routing replay (R3): [tokens][layers][top_k] from the prompt's first token; None without.
+        "routed_experts": rollout.routed_experts,
         # verl counts chat messages (user, assistant and tool), not model turns.
         "num_turns": len(result.trajectory.messages) if result is not None else 0,
         "metrics": {

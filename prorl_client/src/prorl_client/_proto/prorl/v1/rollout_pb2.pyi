@@ -175,7 +175,7 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallSpec, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("messages", "token_ids", "loss_mask", "logprobs", "turn_policy_versions", "num_turns", "turn_spans", "format_errors", "chains", "turns_by_policy_version")
+    __slots__ = ("messages", "token_ids", "loss_mask", "logprobs", "turn_policy_versions", "num_turns", "turn_spans", "format_errors", "chains", "turns_by_policy_version", "routed_experts")
     class TurnsByPolicyVersionEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,7 @@ class Trajectory(_message.Message):
     FORMAT_ERRORS_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
     TURNS_BY_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
@@ -203,7 +204,20 @@ class Trajectory(_message.Message):
     format_errors: int
     chains: _containers.RepeatedCompositeFieldContainer[TokenChain]
     turns_by_policy_version: _containers.ScalarMap[int, int]
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., turn_policy_versions: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ..., turn_spans: _Optional[_Iterable[_Union[TurnSpan, _Mapping]]] = ..., format_errors: _Optional[int] = ..., chains: _Optional[_Iterable[_Union[TokenChain, _Mapping]]] = ..., turns_by_policy_version: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    routed_experts: RoutedExperts
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., turn_policy_versions: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ..., turn_spans: _Optional[_Iterable[_Union[TurnSpan, _Mapping]]] = ..., format_errors: _Optional[int] = ..., chains: _Optional[_Iterable[_Union[TokenChain, _Mapping]]] = ..., turns_by_policy_version: _Optional[_Mapping[int, int]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
+
+class RoutedExperts(_message.Message):
+    __slots__ = ("num_tokens", "num_layers", "top_k", "expert_ids")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    num_layers: int
+    top_k: int
+    expert_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_tokens: _Optional[int] = ..., num_layers: _Optional[int] = ..., top_k: _Optional[int] = ..., expert_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenChain(_message.Message):
     __slots__ = ("token_ids", "loss_mask", "logprobs", "policy_versions", "calls", "turn_spans")
@@ -222,18 +236,20 @@ class TokenChain(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., calls: _Optional[_Iterable[int]] = ..., turn_spans: _Optional[_Iterable[_Union[TurnSpan, _Mapping]]] = ...) -> None: ...
 
 class TurnSpan(_message.Message):
-    __slots__ = ("turn", "start", "end", "policy_version", "logprobs_mode")
+    __slots__ = ("turn", "start", "end", "policy_version", "logprobs_mode", "resampled")
     TURN_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    RESAMPLED_FIELD_NUMBER: _ClassVar[int]
     turn: int
     start: int
     end: int
     policy_version: int
     logprobs_mode: LogprobsMode
-    def __init__(self, turn: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., policy_version: _Optional[int] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ...) -> None: ...
+    resampled: bool
+    def __init__(self, turn: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., policy_version: _Optional[int] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., resampled: _Optional[bool] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue", "init", "run", "eval", "llm", "tools", "sandbox_acquire", "total", "cleanup")
@@ -363,7 +379,7 @@ class PhaseStarted(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., queue_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ModelTurn(_message.Message):
-    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version", "switched_from_backend", "prefill", "decode", "logprobs_mode", "token_offset")
+    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version", "switched_from_backend", "prefill", "decode", "logprobs_mode", "token_offset", "resampled")
     TURN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +395,7 @@ class ModelTurn(_message.Message):
     DECODE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RESAMPLED_FIELD_NUMBER: _ClassVar[int]
     turn: int
     prompt_token_count: int
     completion_token_count: int
@@ -394,7 +411,8 @@ class ModelTurn(_message.Message):
     decode: _duration_pb2.Duration
     logprobs_mode: LogprobsMode
     token_offset: int
-    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ..., switched_from_backend: _Optional[str] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., token_offset: _Optional[int] = ...) -> None: ...
+    resampled: bool
+    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ..., switched_from_backend: _Optional[str] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., token_offset: _Optional[int] = ..., resampled: _Optional[bool] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("turn", "call")
