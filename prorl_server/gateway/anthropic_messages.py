@@ -53,6 +53,7 @@ ERROR_TYPES = {
     "permission": "permission_error",
     "not_found": "not_found_error",
     "rate_limit": "rate_limit_error",
+    "too_large": "request_too_large",
     "unavailable": "overloaded_error",
     "api_error": "api_error",
 }
