@@ -143,7 +143,10 @@ class ProrlServer:
         await self._start_backends()
         if settings.server.gateway_port is not None:
             self._gateway_server = GatewayServer(
-                self._gateways, host=settings.server.host, port=settings.server.gateway_port
+                self._gateways,
+                host=settings.server.host,
+                port=settings.server.gateway_port,
+                body_timeout_s=settings.gateway.body_timeout_s,
             )
             await self._gateway_server.start()
         pipeline = Pipeline(
@@ -154,6 +157,7 @@ class ProrlServer:
             gateways=self._gateways,
             gateway_port=lambda: self.gateway_port,
             gateway_host=_host_of(settings.cluster.advertise_address) or settings.server.host,
+            gateway_limits=settings.gateway,
         )
         self._feed = Feed(self._store, settings.subscribe)
         self.manager = JobManager(
@@ -172,7 +176,8 @@ class ProrlServer:
         await self._feed.start()
         if settings.server.metrics_port is not None:
             self.metrics.watch(self.stats)
-            await self.metrics.serve(settings.server.host, settings.server.metrics_port)
+            tokens = settings.server.accepted_tokens() if settings.server.metrics_require_token else []
+            await self.metrics.serve(settings.server.host, settings.server.metrics_port, tokens=tokens)
         await self._start_grpc()
         if self._coordinator is not None:
             await self._coordinator.start()

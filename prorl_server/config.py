@@ -60,6 +60,9 @@ class ServerSettings(_Section):
     """PEM private key of tls_cert_file."""
     tls_client_ca_file: str | None = None
     """PEM CA bundle: require client certificates signed by it (mutual TLS)."""
+    metrics_require_token: bool = False
+    """Ask the metrics port for one of auth_tokens too (`authorization: Bearer <token>`); off, it
+    answers anyone who reaches it (job counts by handler and status, backend ids, queue depths)."""
 
     def accepted_tokens(self) -> list[str]:
         tokens = [token.get_secret_value() for token in self.auth_tokens]
@@ -77,6 +80,8 @@ class ServerSettings(_Section):
             raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file (mutual TLS is TLS)")
+        if self.metrics_require_token and not (self.auth_tokens or self.auth_tokens_file):
+            raise ValueError("metrics_require_token needs auth_tokens or auth_tokens_file: the tokens it asks for")
         return self
 
 
@@ -296,6 +301,21 @@ class VerifierSettings(_Section):
     POLICY / verification_memory."""
 
 
+class GatewaySettings(_Section):
+    """What one job's agent program may ask of its model gateway (docs/llm.md, "Limits")."""
+
+    max_concurrent_calls: int = Field(8, ge=1, le=1024)
+    """Calls of one job under way at once (inside the sandbox and on the gateway port together);
+    one more is answered 429 in the provider's format, at once."""
+    max_request_bytes: int = Field(16 << 20, ge=64 << 10, le=64 << 20)
+    """Largest request body of one call; a larger one is answered 413 before it is read."""
+    max_result_message_bytes: int = Field(1 << 20, ge=4 << 10, le=2 << 20)
+    """The last call's conversation kept in the result (`trajectory.messages`): at most this
+    much text; what is cut is marked, so a result stays under gRPC's default 4 MiB."""
+    body_timeout_s: float = Field(60.0, gt=0)
+    """Gateway port: time for a request's body once its headers are accepted."""
+
+
 class Settings(_Section):
     server: ServerSettings = ServerSettings()
     phases: PhaseSettings = PhaseSettings()
@@ -303,6 +323,7 @@ class Settings(_Section):
     subscribe: SubscribeSettings = SubscribeSettings()
     sandbox: SandboxSettings = SandboxSettings()
     llm: LLMSettings = LLMSettings()
+    gateway: GatewaySettings = GatewaySettings()
     cluster: ClusterSettings = ClusterSettings()
     verifier: VerifierSettings = VerifierSettings()
 

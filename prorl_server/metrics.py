@@ -3,11 +3,20 @@
 Counters and histograms are fed by the job pipeline; live values (queue
 depth, sandboxes, backend load) are read at scrape time. Each server has its
 own registry, so several servers in one process never mix their figures.
+
+Exposure: the endpoint tells whoever reaches it the job counts by handler and
+status, the phases' queues, the sandboxes per image and the backends' ids,
+load and health (no job ids, keys or content). By default it asks for no
+token, even when the gRPC port does (server.auth_tokens): a Prometheus
+scraper on a private network is the usual reader. With
+server.metrics_require_token it asks for one of the same tokens
+(`authorization: Bearer <token>`) and answers 401 without one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import hmac
+from collections.abc import Callable, Iterator, Sequence
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -65,8 +74,24 @@ class Metrics:
 
     # --- the endpoint ----------------------------------------------------------
 
-    async def serve(self, host: str, port: int) -> None:
+    async def serve(self, host: str, port: int, *, tokens: Sequence[str] = ()) -> None:
+        """Serve /metrics; with `tokens`, only to a request bearing one of them."""
+        accepted = [token.encode() for token in tokens]
+
+        def allowed(request: web.Request) -> bool:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not given.strip():
+                return False
+            token = given.strip().encode()
+            return any(hmac.compare_digest(token, known) for known in accepted)
+
         async def scrape(request: web.Request) -> web.Response:
+            if accepted and not allowed(request):
+                return web.Response(
+                    status=401,
+                    text="metrics need a bearer token (server.metrics_require_token): authorization: Bearer <token>\n",
+                    headers={"www-authenticate": "Bearer"},
+                )
             return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
 
         app = web.Application()

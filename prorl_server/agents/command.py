@@ -3,7 +3,7 @@
 The instance names the program and how to judge what it produces:
 
     {"program": {"argv": [...], "env": {...}, "cwd": "/testbed", "files": {path: text},
-                 "timeout_s": 600},
+                 "timeout_s": 600, "sampling": "job" | "program"},
      "verifier": "math" | "stem" | "code" | "swe",
      "task": {... an instance of that family ...},
      "submission": "last_line" | "stdout" | "file" | "git_diff",
@@ -14,8 +14,12 @@ job's model gateway on the sandbox's own loopback: OPENAI_BASE_URL,
 OPENAI_API_KEY, ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY point at it (the key
 is the job's and dies with it), PRORL_TASK holds the task as the family's own
 agent would be prompted (when under 64 KiB) and PRORL_TASK_FILE names a file with the same
-text. If the program's last model call failed for want of a backend, the job fails as
-infrastructure.
+text. If the program's last model call failed for want of a backend (none reachable, a
+5xx, a timeout), the job fails as infrastructure; a call the backend refused (a 4xx: the
+program's own request) is the program's doing, and the job is judged as usual.
+Every call samples under the job's sampling (gateway/sampling.py): max_tokens and the stop
+strings are the job's ceiling, chat_template_kwargs the job's only, and temperature, top_p
+and seed the job's unless `program.sampling` is "program".
 The sandbox keeps no network. Every model call goes through the job's LLM
 session (routing, pause/resume, policy versions, exact tokens as chains).
 
@@ -72,6 +76,10 @@ class Program(TaskInstance):
     files: dict[StrictStr, StrictStr] = {}
     """Written (as UTF-8 text) before the program starts: e.g. the agent's own script."""
     timeout_s: Seconds = Field(DEFAULT_PROGRAM_TIMEOUT_S, gt=0, le=24 * 3600)
+    sampling: Literal["job", "program"] = "job"
+    """Whose temperature, top_p and seed a model call uses: the job's (its sampling parameters,
+    whatever the program sends), or the program's. max_tokens, stop strings and the chat
+    template's arguments stay the job's either way."""
 
     @field_validator("cwd")
     @classmethod
@@ -101,6 +109,11 @@ class CommandTask(TaskInstance):
         if (self.submission == "git_diff") != (self.verifier == "swe"):
             raise ValueError("the swe verifier judges the repository's diff (submission 'git_diff'), and only it")
         return self
+
+    @property
+    def program_chooses_sampling(self) -> bool:
+        """Read by the job's gateway (jobs/pipeline.py): `program.sampling == "program"`."""
+        return self.program.sampling == "program"
 
     @property
     def judged(self) -> TaskInstance:

@@ -5,10 +5,16 @@ whole body); the `HttpResponse` goes back whole, or piece by piece through a `St
 when its body is an async iterator (server-sent events). When the client goes away mid-stream
 the body's iterator is closed; `GatewayServer` also cancels the handler when the client hangs up
 before the answer (a `GatewayHandler` is cancelled when the program closes its connection).
+
+Before a body is read, a handler with an `admit(request)` method (the server's gateway directory)
+is asked about the request's head: its refusal (a 401 for an unknown job or a bad key, a 413 for a
+declared body over the limit) is sent with nothing of the body read, and the connection closed.
+The body must then arrive within `body_timeout_s` (else 408 and the connection closed).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from aiohttp import web
@@ -16,13 +22,16 @@ from aiohttp import web
 from prorl_server.sandbox.runtime.relay import GatewayHandler, HttpRequest, HttpResponse
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
-"""Agents send the whole conversation on every call: far over aiohttp's 1 MiB default."""
+"""Agents send the whole conversation on every call: far over aiohttp's 1 MiB default. The job's
+own limit (gateway.max_request_bytes, its gateway's `admit`) is usually lower."""
+BODY_TIMEOUT_S = 60.0
+PIECE_BYTES = 1 << 20
 
 # Framing is aiohttp's to set.
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 
 
-def to_http_request(request: web.Request, body: bytes) -> HttpRequest:
+def to_http_request(request: web.Request, body: bytes = b"") -> HttpRequest:
     headers: dict[str, str] = {}
     for name, value in request.headers.items():
         key = name.lower()
@@ -51,27 +60,80 @@ async def write_response(request: web.Request, response: HttpResponse) -> web.St
     return stream
 
 
-def aiohttp_handler(gateway: GatewayHandler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+def _refusal(status: int, message: str) -> web.Response:
+    response = web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
+    response.force_close()
+    return response
+
+
+async def read_body(request: web.Request, *, max_bytes: int, timeout_s: float) -> bytes | web.Response:
+    """The body, read piece by piece (aiohttp's own `read()` would keep a second copy on the
+    request), or the refusal when it is too large or too slow."""
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for piece in request.content.iter_chunked(PIECE_BYTES):
+                body += piece
+                if len(body) > max_bytes:
+                    return _refusal(413, f"request body larger than {max_bytes} bytes")
+    except TimeoutError:
+        return _refusal(408, f"the request body did not arrive within {timeout_s:g}s")
+    data = bytes(body)
+    del body
+    return data
+
+
+def aiohttp_handler(
+    gateway: GatewayHandler, *, max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    admit: Callable[[HttpRequest], HttpResponse | None] | None = getattr(gateway, "admit", None)
+
     async def handle(request: web.Request) -> web.StreamResponse:
-        response = await gateway(to_http_request(request, await request.read()))
-        return await write_response(request, response)
+        head = to_http_request(request)
+        refused = admit(head) if admit is not None else None
+        if refused is not None:
+            response = await write_response(request, refused)
+            response.force_close()  # the body, if any, is never read
+            return response
+        body = await read_body(request, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
+        if isinstance(body, web.Response):
+            return body
+        head.body = body
+        del body
+        return await write_response(request, await gateway(head))
 
     return handle
 
 
-def gateway_app(gateway: GatewayHandler, *, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+def gateway_app(
+    gateway: GatewayHandler, *, max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S
+) -> web.Application:
     """An aiohttp application that hands every request, whatever its path and method, to `gateway`."""
     app = web.Application(client_max_size=max_body_bytes)
-    app.router.add_route("*", "/{tail:.*}", aiohttp_handler(gateway))
+    handler = aiohttp_handler(gateway, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.router.add_route("*", "/{tail:.*}", handler)
     return app
 
 
 class GatewayServer:
     """`gateway` served on host:port (port 0: any free port; `port` and `url` once started)."""
 
-    def __init__(self, gateway: GatewayHandler, *, host: str = "127.0.0.1", port: int = 0) -> None:
-        # A client that hangs up cancels its turn (aiohttp lets handlers run on by default).
-        self._runner = web.AppRunner(gateway_app(gateway), access_log=None, handler_cancellation=True)
+    def __init__(
+        self,
+        gateway: GatewayHandler,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+    ) -> None:
+        # A client that hangs up cancels its turn (aiohttp lets handlers run on by default). A body
+        # left unread (a refusal) is not drained: the connection is closed (lingering_time 0).
+        self._runner = web.AppRunner(
+            gateway_app(gateway, body_timeout_s=body_timeout_s),
+            access_log=None,
+            handler_cancellation=True,
+            lingering_time=0.0,
+        )
         self.host = host
         self.port = port
 

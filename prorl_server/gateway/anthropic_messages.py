@@ -5,7 +5,9 @@ tool_use (assistant) and tool_result (user) blocks: a tool_use is an assistant `
 entry, each tool_result a `tool` message (its text: a string or text blocks; `is_error` is not
 marked), text blocks after them a user message; `tools` (`input_schema` -> `parameters`);
 `tool_choice` auto / any / tool / none; `max_tokens` (required); `stop_sequences`;
-`temperature`, `top_p`; `stream` with Anthropic's named events (message_start,
+`temperature`, `top_p`; `role: "system"` messages anywhere in `messages` (text blocks: a
+system message there, rendered as the model's template renders one); `stream` with Anthropic's
+named events (message_start,
 content_block_start / _delta (text_delta, input_json_delta) / _stop, message_delta with the
 stop_reason and usage, message_stop). `model` is free: any name is accepted and echoed back.
 
@@ -53,6 +55,7 @@ ERROR_TYPES = {
     "permission": "permission_error",
     "not_found": "not_found_error",
     "rate_limit": "rate_limit_error",
+    "too_large": "request_too_large",
     "unavailable": "overloaded_error",
     "api_error": "api_error",
 }
@@ -140,9 +143,18 @@ def messages_of(fields: Fields) -> list[dict[str, Any]]:
             messages.extend(_user(blocks))
         elif role == "assistant":
             messages.append(_assistant(blocks))
+        elif role == "system":  # anywhere in the conversation (Claude Code's mid-conversation system beta)
+            messages.append({"role": "system", "content": _system_text(blocks)})
         else:
-            raise bad_request(f"{path}.role must be 'user' or 'assistant', not {role!r}", f"{path}.role")
+            raise bad_request(f"{path}.role must be 'user', 'assistant' or 'system', not {role!r}", f"{path}.role")
     return messages
+
+
+def _system_text(blocks: list[tuple[str, dict[str, Any]]]) -> str:
+    for where, block in blocks:
+        if block.get("type") != "text":
+            raise _unsupported(block, where)
+    return "\n".join(_text(block, where) for where, block in blocks)
 
 
 def _user(blocks: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -22,6 +22,12 @@ llm_bad_request: the backend refused it) -> 400; other LLMErrors -> 502; Invalid
 other policy errors -> 400; ResourceExhausted -> 429; anything unexpected -> 500 (logged).
 Cancellation (the program closed its connection) propagates: it is never turned into a response.
 
+Limits (gateway settings, per job): at most `max_concurrent_calls` model calls at once (one
+more: 429 at once, nothing queued); a body over `max_request_bytes`: 413. `admit` answers both
+(and a bad key) from a request's head, before its body is read or decoded (the relay and the
+gateway port call it). The body is parsed and dropped at once: a call holds its parsed
+request, not also the bytes it came in.
+
 The turn is awaited before any response starts, streams included, so every failure is a status.
 The gateway records nothing: the `chat` it is given does.
 """
@@ -36,6 +42,7 @@ from urllib.parse import urlsplit
 import structlog
 
 from prorl_server.agents.base import ChatFn
+from prorl_server.config import GatewaySettings
 from prorl_server.errors import (
     AlreadyExists,
     ContextLengthExceeded,
@@ -58,6 +65,8 @@ log = structlog.get_logger(__name__)
 DEFAULT_MODEL = "prorl"
 
 Route = Callable[[HttpRequest], Awaitable[HttpResponse]]
+MODEL_CALLS = ("/chat/completions", "/responses", "/messages")
+"""The routes whose calls count against gateway.max_concurrent_calls."""
 
 
 def error_for(exc: ProrlError) -> GatewayError:
@@ -90,6 +99,11 @@ def error_for(exc: ProrlError) -> GatewayError:
     return GatewayError(500, message, kind="api_error")
 
 
+def _content_length(request: HttpRequest) -> int | None:
+    raw = request.headers.get("content-length", "").split(",")[0].strip()
+    return int(raw) if raw.isdigit() else None
+
+
 def _bearer(request: HttpRequest) -> str | None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
@@ -105,20 +119,68 @@ class ModelGateway:
         default_sampling: Sampling,
         model: str = DEFAULT_MODEL,
         api_key: str | None = None,
+        limits: GatewaySettings | None = None,
     ) -> None:
         self.model = model
         self._api_key = api_key or None
+        self.limits = limits or GatewaySettings()
         self._turns = ChatTurns(chat, model=model, default_sampling=default_sampling)
+        self.in_flight = 0
+        """Model calls under way (the concurrency limit counts these)."""
 
-    async def __call__(self, request: HttpRequest) -> HttpResponse:
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest body of a call (the relay refuses a larger one before reading it)."""
+        return self.limits.max_request_bytes
+
+    @staticmethod
+    def _where(request: HttpRequest) -> tuple[str, bool]:
+        """The route's path (without /v1) and whether it speaks Anthropic's format."""
         path = urlsplit(request.path).path.rstrip("/") or "/"
         if path == "/v1" or path.startswith("/v1/"):
             path = path[3:] or "/"
         anthropic = path == "/messages" or path.startswith("/messages/")
         if path == "/models" or path.startswith("/models/"):
             anthropic = "anthropic-version" in request.headers
+        return path, anthropic
+
+    def admit(self, request: HttpRequest) -> HttpResponse | None:
+        """The refusal of a request from its head alone (method, path, headers; its body not yet
+        read): a bad key (401) or a declared body over the limit (413). None: read the body."""
+        path, anthropic = self._where(request)
         try:
             self._authenticate(request, anthropic=anthropic)
+            self._check_size(_content_length(request))
+            if request.method.upper() == "POST" and path in MODEL_CALLS:
+                self._check_concurrency()
+        except GatewayError as error:
+            return self._error(error, anthropic=anthropic)
+        return None
+
+    def _check_concurrency(self) -> None:
+        if self.in_flight >= self.limits.max_concurrent_calls:
+            raise GatewayError(
+                429,
+                f"this job already has {self.in_flight} model calls under way, the most it may have "
+                "at once (setting gateway.max_concurrent_calls): retry when one has ended",
+                kind="rate_limit",
+            )
+
+    def _check_size(self, size: int | None) -> None:
+        limit = self.limits.max_request_bytes
+        if size is not None and size > limit:
+            raise GatewayError(
+                413,
+                f"the request body has {size} bytes; this gateway takes at most {limit} per call "
+                "(setting gateway.max_request_bytes): send a shorter conversation",
+                kind="too_large",
+            )
+
+    async def __call__(self, request: HttpRequest) -> HttpResponse:
+        path, anthropic = self._where(request)
+        try:
+            self._authenticate(request, anthropic=anthropic)
+            self._check_size(len(request.body))
             route = self._route(request.method.upper(), path, anthropic=anthropic)
             return await route(request)
         except GatewayError as error:
@@ -154,13 +216,24 @@ class ModelGateway:
             "/messages": lambda body: anthropic_messages.handle_messages(self._turns, body),
             "/messages/count_tokens": self._count_tokens,
         }
+        if path == "/messages/count_tokens" and method == "POST":
+
+            async def count(request: HttpRequest) -> HttpResponse:
+                return await self._count_tokens(parse_body(request.take_body()))
+
+            return count
         if path in posts:
             if method != "POST":
                 raise self._not_allowed(method, path, "POST")
             handler = posts[path]
 
             async def post(request: HttpRequest) -> HttpResponse:
-                return await handler(parse_body(request.body))
+                self._check_concurrency()
+                self.in_flight += 1
+                try:
+                    return await handler(parse_body(request.take_body()))
+                finally:
+                    self.in_flight -= 1
 
             return post
         if path == "/models" or path.startswith("/models/"):

@@ -15,10 +15,27 @@ gateway only removes tool-call markup). The chain then sends the
 sampled text in its place, so the template renders what the model really
 produced. Anything else (an edited reply, a changed message, other tools) is
 a rewritten history: a new chain.
+
+Memory: a chain keeps no copy of the program's messages, only a digest of
+each (what makes it the same message for the chain) and the replies the model
+sampled; a call that continues the chain sends the program's own copy of each
+matched message. So a job's memory grows with what the model wrote, not with
+the conversations its program sends (100 distinct 5 MB conversations used to
+keep 500 MB for the job's life).
+
+Sampling: each call's is the job's over what the program asked (sampling.py);
+what was changed is kept per call (`clamped`, reported in the result's
+details). Blame: a backend's refusal of the program's request (reasons in
+`PROGRAM_CAUSED`) is the program's, never an `outage`.
+
+The last call's conversation, kept for the result's `trajectory.messages`, is
+cut to a budget (`max_result_message_bytes`) so that a result stays readable by
+clients on gRPC's default 4 MiB limit; what was cut is counted in `report()`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,12 +43,20 @@ from typing import Any
 
 from prorl_server.errors import LLMError
 from prorl_server.gateway.common import read_reply
+from prorl_server.gateway.sampling import clamp
 from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.llm.job_chat import JobChat
 from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
 
 Message = dict[str, Any]
+
+PROGRAM_CAUSED = frozenset({"llm_bad_request", "llm_prompt"})
+"""LLMError reasons that the program's request caused (the backend refused it with a 4xx; a history
+a token trajectory cannot take): the call's error is the program's, not an outage."""
+DEFAULT_RESULT_MESSAGE_BYTES = 1 << 20
+MAX_CLAMP_NOTES = 64
+"""Calls whose clamped sampling is listed one by one in `report()` (all are counted)."""
 
 
 def _text(content: Any) -> str:
@@ -74,6 +99,12 @@ def _key(message: Message) -> tuple[Any, ...]:
     )
 
 
+def _digest(message: Message) -> bytes:
+    """The message as the chain recognises it (`_key`), in 16 bytes."""
+    key = json.dumps(_key(message), ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
 @dataclass
 class _Reply:
     """A reply the model sampled, as the chain must send it again and recognise it."""
@@ -101,8 +132,8 @@ class _Reply:
 class Chain:
     session: LLMSession
     tools_key: str
-    history: list[Message | _Reply] = field(default_factory=list)
-    """The program's messages so far, with the model's replies in their place."""
+    history: list[bytes | _Reply] = field(default_factory=list)
+    """The program's messages so far (their digests), with the model's replies in their place."""
     awaiting: bool = False
     """The last call got no reply (it failed, or was cancelled): only the same call again (a
     resend) may continue the chain."""
@@ -113,21 +144,22 @@ class Chain:
     versions: list[int] = field(default_factory=list)
     """Per token: the policy version of the call that added it."""
 
-    def continuation(self, messages: Sequence[Message]) -> list[Message] | None:
-        """The messages to send on this chain for `messages`, or None if they do not extend it."""
+    def continuation(self, messages: Sequence[Message], digests: Sequence[bytes]) -> list[Message] | None:
+        """The messages to send on this chain for `messages` (`digests`: theirs), or None if they
+        do not extend it."""
         known = len(self.history)
         if self.in_flight or len(messages) < known or (self.awaiting and len(messages) != known):
             return None
         sent: list[Message] = []
-        for mine, theirs in zip(self.history, messages, strict=False):
+        for mine, theirs, digest in zip(self.history, messages, digests, strict=False):
             if isinstance(mine, _Reply):
                 if not mine.matches(theirs):
                     return None
                 sent.append(mine.as_sent(theirs))
-            elif _key(mine) != _key(theirs):
+            elif mine != digest:
                 return None
             else:
-                sent.append(mine)
+                sent.append(dict(theirs))
         return sent + [dict(m) for m in messages[known:]]
 
 
@@ -141,8 +173,21 @@ class CallChains:
         *,
         on_call: Callable[[int, ChatResult], None] | None = None,
         min_policy_version: int = 0,
+        job_sampling: Sampling | None = None,
+        program_sampling: bool = False,
+        max_result_message_bytes: int = DEFAULT_RESULT_MESSAGE_BYTES,
     ) -> None:
-        """`on_call(number, result)` is told of every call that got its reply (the recorder)."""
+        """`on_call(number, result)` is told of every call that got its reply (the recorder).
+        `job_sampling`: the ceiling and default of every call's sampling (None: as asked), the
+        program choosing temperature, top_p and seed only with `program_sampling`."""
+        self._job_sampling = job_sampling
+        self._program_sampling = program_sampling
+        self._message_budget = max_result_message_bytes
+        self.clamped: list[dict[str, Any]] = []
+        """The first calls whose sampling was changed: {"call": n, field: [asked, used], ...}."""
+        self.clamped_calls = 0
+        self.messages_cut: dict[str, int] = {}
+        """What the result's messages lost to the budget: messages dropped, characters cut."""
         self._job_id = job_id
         self._min_policy_version = min_policy_version
         self._router = router
@@ -156,11 +201,13 @@ class CallChains:
         """The backends' failure on the latest call, when no call succeeded since: the program could
         not reach the model (the job fails as infrastructure, not as the policy's doing)."""
 
-    def _chain_for(self, messages: Sequence[Message], tools_key: str) -> tuple[Chain, list[Message]]:
+    def _chain_for(
+        self, messages: Sequence[Message], digests: Sequence[bytes], tools_key: str
+    ) -> tuple[Chain, list[Message]]:
         for chain in reversed(self.chains):
             if chain.tools_key != tools_key:
                 continue
-            sent = chain.continuation(messages)
+            sent = chain.continuation(messages, digests)
             if sent is not None:
                 return chain, sent
         session = LLMSession(
@@ -175,19 +222,28 @@ class CallChains:
     ) -> ChatResult:
         """One model call of the program, on the chain it extends (or a new one)."""
         tools_key = json.dumps(list(tools), sort_keys=True, default=str)
+        digests = [_digest(m) for m in messages]
         # No await before `in_flight` is set: calls made side by side go to separate chains.
-        chain, sent = self._chain_for(messages, tools_key)
+        chain, sent = self._chain_for(messages, digests, tools_key)
         turn = self.calls
         self.calls += 1
+        if self._job_sampling is not None:
+            sampling, changed = clamp(sampling, self._job_sampling, program_sampling=self._program_sampling)
+            if changed:
+                self.clamped_calls += 1
+                if len(self.clamped) < MAX_CLAMP_NOTES:
+                    self.clamped.append({"call": turn, **changed})
         chain.awaiting = chain.in_flight = True
-        chain.history += [dict(m) for m in messages[len(chain.history) :]]
+        chain.history += digests[len(chain.history) :]
         try:
             result = await chain.session.chat(sent, tools, sampling)
-        except LLMError as exc:  # the backends' failure (a full context is the policy's, not an LLMError)
-            self.outage = exc
+        except LLMError as exc:  # a full context is the policy's, not an LLMError
+            # The backend refused the program's own request: the program reached the model.
+            self.outage = None if exc.reason in PROGRAM_CAUSED else exc
             raise
         finally:
             chain.in_flight = False
+            del sent
         self.outage = None
         chain.awaiting = False
         # Every token not yet versioned is this call's: its prompt (also one a failed attempt sent)
@@ -197,10 +253,21 @@ class CallChains:
         self.last_chain = chain
         reply = read_reply(result, parse_calls=bool(tools), id_prefix=f"c{turn}")  # as the gateway answers
         chain.history.append(_Reply(result.text, [(call.name, call.arguments) for call in reply.calls]))
-        self.last_conversation = [*[dict(m) for m in messages], {"role": "assistant", "content": result.text}]
+        self.last_conversation, self.messages_cut = capped_conversation(
+            [*messages, {"role": "assistant", "content": result.text}], self._message_budget
+        )
         if self.on_call is not None:
             self.on_call(turn, result)
         return result
+
+    def report(self) -> dict[str, Any]:
+        """For the result's details: what the gateway changed of the program's calls."""
+        report: dict[str, Any] = {"calls": self.calls, "clamped_calls": self.clamped_calls}
+        if self.clamped:
+            report["clamped"] = self.clamped
+        if self.messages_cut:
+            report["messages_cut"] = self.messages_cut
+        return report
 
     def token_chains(self) -> list[TokenChain]:
         """Every chain with tokens (token backends), in the order they started, except that the
@@ -228,3 +295,52 @@ class TokenChain:
     """The job's call numbers merged into this chain."""
     turn_spans: list[tuple[int, int]]
     """(start, end) of each merged call's sampled ids."""
+
+
+CUT_MARK = "\n[... {} characters cut by the gateway to keep the result readable ...]\n"
+
+
+def _size(message: Message) -> int:
+    return len(json.dumps(message, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
+
+
+def _cut(text: str, keep: int) -> tuple[str, int]:
+    """`text` with its middle cut out to about `keep` characters, the cut marked."""
+    if len(text) <= keep:
+        return text, 0
+    head, tail = keep // 2, keep - keep // 2
+    cut = len(text) - head - tail
+    return text[:head] + CUT_MARK.format(cut) + text[len(text) - tail :], cut
+
+
+def capped_conversation(messages: Sequence[Message], budget: int) -> tuple[list[Message], dict[str, int]]:
+    """The messages in at most about `budget` bytes of JSON: each message's text cut to an eighth
+    of it (its middle out, marked), then, while still over, the oldest messages after the first
+    dropped (the first is the task, the last the reply). Returns them and what was cut."""
+    per_message = max(budget // 8, 1024)
+    kept: list[Message] = []
+    cut_chars = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) and len(content) > per_message:
+            content, cut = _cut(content, per_message)
+            cut_chars += cut
+            message = {**message, "content": content}
+        else:
+            message = dict(message)
+        kept.append(message)
+    sizes = [_size(m) for m in kept]
+    total, dropped = sum(sizes), 0
+    while total > budget and len(kept) > 2:
+        total -= sizes.pop(1)
+        kept.pop(1)
+        dropped += 1
+    if total > budget:  # one or two messages of huge tool calls: their text only
+        kept = [{"role": str(m.get("role", "")), "content": str(m.get("content") or "")[:per_message]} for m in kept]
+        cut_chars += sum(max(s - _size(m), 0) for s, m in zip(sizes, kept, strict=False))
+    report = {}
+    if dropped:
+        report["messages_dropped"] = dropped
+    if cut_chars:
+        report["characters_cut"] = cut_chars
+    return kept, report

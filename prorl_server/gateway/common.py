@@ -41,7 +41,7 @@ class GatewayError(Exception):
     """A request the gateway answers with an error: each protocol writes it in its provider's format.
 
     `kind` is one of: invalid_request, authentication, permission, not_found, method_not_allowed,
-    rate_limit, context_length, unavailable, api_error."""
+    rate_limit, too_large, context_length, unavailable, api_error."""
 
     def __init__(
         self,

@@ -5,6 +5,10 @@ same gateway is also served on the server's gateway port
 (`server.gateway_port`) under `/jobs/<job_id>`, for harnesses that run beside
 the sandbox. Each gateway checks its own per-job key; once the job's program
 has ended, the gateway is gone from here and its key is refused.
+
+`admit` answers from a request's head alone (the server's gateway port calls it before it reads
+a body): an unknown job or a bad key is refused 401, a declared body over the job's limit 413,
+with nothing of the body read.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ class GatewayDirectory:
     def __len__(self) -> int:
         return len(self._live)
 
-    async def __call__(self, request: HttpRequest) -> HttpResponse:
-        """Route /jobs/<job_id>/... to that job's gateway, with the rest of the path."""
+    def _target(self, request: HttpRequest) -> tuple[ModelGateway, HttpRequest] | HttpResponse:
+        """The job's gateway and the request as it sees it (the rest of the path), or the 401."""
         target = urlsplit(request.path)
         job_id, _, rest = target.path.removeprefix(PREFIX).partition("/")
         gateway = self._live.get(job_id) if target.path.startswith(PREFIX) else None
@@ -54,4 +58,21 @@ class GatewayDirectory:
             )
             return json_response(401, error_body(refused))
         query = f"?{target.query}" if target.query else ""
-        return await gateway(HttpRequest(request.method, f"/{rest}{query}", request.headers, request.body))
+        return gateway, HttpRequest(request.method, f"/{rest}{query}", request.headers, request.take_body())
+
+    def admit(self, request: HttpRequest) -> HttpResponse | None:
+        """The refusal of a request from its head alone (see the module docstring); None: read on."""
+        found = self._target(request)
+        if isinstance(found, HttpResponse):
+            return found
+        gateway, inner = found
+        return gateway.admit(inner)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponse:
+        """Route /jobs/<job_id>/... to that job's gateway, with the rest of the path."""
+        found = self._target(request)
+        if isinstance(found, HttpResponse):
+            return found
+        gateway, inner = found
+        del request
+        return await gateway(inner)

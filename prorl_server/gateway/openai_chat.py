@@ -53,6 +53,7 @@ ERROR_TYPES = {
     "permission": "permission_error",
     "not_found": "invalid_request_error",
     "rate_limit": "rate_limit_error",
+    "too_large": "invalid_request_error",
     "unavailable": "server_error",
     "api_error": "server_error",
 }
@@ -61,6 +62,8 @@ ERROR_CODES = {
     "context_length": "context_length_exceeded",
     "not_found": "not_found",
     "method_not_allowed": "method_not_allowed",
+    "rate_limit": "rate_limit_exceeded",
+    "too_large": "request_too_large",
 }
 
 

@@ -22,6 +22,7 @@ from prorl_client import v1
 from prorl_server.agents.base import EvalOutcome, JobGateway, RolloutContext
 from prorl_server.agents.events import AgentEvent
 from prorl_server.agents.recorder import TrajectoryRecorder
+from prorl_server.config import GatewaySettings
 from prorl_server.gateway.app import ModelGateway
 from prorl_server.gateway.chains import CallChains
 from prorl_server.gateway.directory import GatewayDirectory, job_path
@@ -73,12 +74,14 @@ class Pipeline:
         gateways: GatewayDirectory | None = None,
         gateway_port: Callable[[], int | None] = lambda: None,
         gateway_host: str = "",
+        gateway_limits: GatewaySettings | None = None,
     ) -> None:
         """`gateways`: where jobs' model gateways are listed for the server's gateway port, whose
         number `gateway_port()` gives (None: not served outside the sandboxes), on `gateway_host`."""
         self._gateways = gateways if gateways is not None else GatewayDirectory()
         self._gateway_port = gateway_port
         self._gateway_host = gateway_host
+        self._gateway_limits = gateway_limits or GatewaySettings()
         self._phases = PhaseRunner(gates, metrics)
         self._init_gate = gates[v1.PHASE_INIT]
         self._metrics = metrics
@@ -107,7 +110,9 @@ class Pipeline:
         @asynccontextmanager
         async def model_gateway(sandbox: Sandbox) -> AsyncIterator[JobGateway]:
             key = secrets.token_urlsafe(24)
-            gateway = ModelGateway(chains.chat, default_sampling=plan.sampling, api_key=key)
+            gateway = ModelGateway(
+                chains.chat, default_sampling=plan.sampling, api_key=key, limits=self._gateway_limits
+            )
             handle = await sandbox.open_gateway(gateway)
             self._gateways.add(job.job_id, gateway)
             try:
@@ -135,7 +140,14 @@ class Pipeline:
         plan = job.plan
         assert plan is not None, "a restored job never runs again"
         session = LLMSession(job.job_id, self._router, min_policy_version=plan.min_policy_version)
-        chains = CallChains(job.job_id, self._router, min_policy_version=plan.min_policy_version)
+        chains = CallChains(
+            job.job_id,
+            self._router,
+            min_policy_version=plan.min_policy_version,
+            job_sampling=plan.sampling,
+            program_sampling=bool(getattr(plan.instance, "program_chooses_sampling", False)),
+            max_result_message_bytes=self._gateway_limits.max_result_message_bytes,
+        )
         ctx = self._context(job, plan, session, chains)
         chains.on_call = ctx.recorder.model_turn
         outcome = _Outcome()
@@ -219,6 +231,8 @@ class Pipeline:
         recorder = ctx.recorder
         details: dict[str, Any] = dict(outcome.evaluation.details) if outcome.evaluation else {}
         details["format_errors"] = recorder.format_errors
+        if models.chains.calls:  # an agent program's calls: what the gateway changed of them
+            details["gateway"] = models.chains.report()
         assert job.plan is not None
         details = job.plan.handler.shape_result(ctx, details)
         phase_s = outcome.times.phase_s

@@ -513,6 +513,34 @@ async def test_anthropic_stream_helper_assembles_the_message() -> None:
     assert tool_use.type == "tool_use" and tool_use.input == {"city": "Paris"}
 
 
+async def test_anthropic_system_messages_anywhere_in_the_conversation() -> None:
+    """Claude Code puts `role: "system"` messages after the first user message: each is a system
+    message where it stands (it used to be a 400)."""
+    async with served(text("Done.")) as (fake, url), anthropic_client(url) as client:
+        message = await client.messages.create(
+            model=MODEL,
+            max_tokens=32,
+            system="Be brief.",
+            messages=[
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."},
+                {
+                    "role": "system",
+                    "content": [{"type": "text", "text": "The date is"}, {"type": "text", "text": "today."}],
+                },  # type: ignore[list-item]
+                {"role": "user", "content": "Go on."},
+            ],
+        )
+    assert message.content[0].text == "Done."  # type: ignore[union-attr]
+    assert fake.calls[0].messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "system", "content": "The date is\ntoday."},
+        {"role": "user", "content": "Go on."},
+    ]
+
+
 async def test_anthropic_errors() -> None:
     async with served(ContextLengthExceeded("backend b: too long")) as (fake, url), anthropic_client(url) as client:
         with pytest.raises(anthropic.BadRequestError) as context:

@@ -908,7 +908,8 @@ class Runtime:
 
 GATEWAY_HOSTS = ("127.0.0.1", "::1")
 GATEWAY_MAX_BODY = 64 << 20
-"""A larger request body is refused with 413."""
+"""A larger request body is refused with 413 (the server may ask for less: `max_body`), from its
+declared length before any of it is read, or as soon as a chunked body grows past it."""
 GATEWAY_MAX_LINE = 65536
 GATEWAY_MAX_HEADERS = 100
 GATEWAY_MAX_HEADER_BYTES = 256 << 10
@@ -933,12 +934,23 @@ UNSAFE_TEXT = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class HttpError(Exception):
-    """A request the gateway refuses: answered with `status`, then the connection is closed."""
+    """A request the gateway refuses: answered with `status`, then the connection is closed;
+    in Anthropic's error format when `anthropic` (a /v1/messages path), else OpenAI's."""
 
-    def __init__(self, status, message):
+    def __init__(self, status, message, anthropic=False):
         Exception.__init__(self, message)
         self.status = status
         self.message = message
+        self.anthropic = anthropic
+
+
+def _too_large(max_body, path):
+    anthropic = path.split("?", 1)[0].rstrip("/") in ("/v1/messages", "/messages", "/v1/messages/count_tokens")
+    message = (
+        "the request body is larger than %d bytes, the most this gateway takes per call "
+        "(setting gateway.max_request_bytes): send a shorter conversation" % max_body
+    )
+    return HttpError(413, message, anthropic)
 
 
 def _cloexec(fd):
@@ -968,8 +980,16 @@ def _peer_gone(sock):
         return True
 
 
-def _send_error(sock, status, message):
-    body = json.dumps({"error": {"message": message, "type": "gateway_error"}}).encode("utf-8")
+def _send_error(sock, status, message, anthropic=False):
+    if status == 413 and anthropic:
+        error = {"type": "error", "error": {"type": "request_too_large", "message": message}}
+    elif status == 413:
+        error = {
+            "error": {"message": message, "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+        }
+    else:
+        error = {"error": {"message": message, "type": "gateway_error"}}
+    body = json.dumps(error).encode("utf-8")
     head = "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (
         status,
         _reason(status),
@@ -990,7 +1010,7 @@ def _read_line(reader, what):
     return line
 
 
-def _read_chunked(reader):
+def _read_chunked(reader, max_body, path):
     body = bytearray()
     while True:
         line = _read_line(reader, "chunk size")
@@ -1000,8 +1020,8 @@ def _read_chunked(reader):
         size = int(size_text, 16)
         if size == 0:
             break
-        if len(body) + size > GATEWAY_MAX_BODY:
-            raise HttpError(413, "request body larger than %d bytes" % GATEWAY_MAX_BODY)
+        if len(body) + size > max_body:
+            raise _too_large(max_body, path)
         data = reader.read(size)
         if data is None or len(data) < size:
             raise HttpError(400, "incomplete chunked body")
@@ -1027,10 +1047,11 @@ def _request_target(target):
     raise HttpError(400, "malformed request target")
 
 
-def read_http_request(reader, sock):
+def read_http_request(reader, sock, max_body=GATEWAY_MAX_BODY):
     """One HTTP/1.x request from `reader` (the program's connection `sock`): (method, target,
     version, headers [[name, value], ...], body, keep_alive), or None at a clean EOF. A
-    chunked body is returned whole, its headers then saying Content-Length instead."""
+    chunked body is returned whole, its headers then saying Content-Length instead. A body
+    over `max_body` is refused (413) before it is read."""
     line = reader.readline(GATEWAY_MAX_LINE + 1)
     for _ in range(8):  # empty lines before a request are tolerated
         if line not in (b"\r\n", b"\n"):
@@ -1085,8 +1106,8 @@ def read_http_request(reader, sock):
         if len(lengths) != 1 or not DIGITS.fullmatch(next(iter(lengths))):
             raise HttpError(400, "malformed content-length")
         length = int(next(iter(lengths)))
-        if length > GATEWAY_MAX_BODY:
-            raise HttpError(413, "request body larger than %d bytes" % GATEWAY_MAX_BODY)
+        if length > max_body:
+            raise _too_large(max_body, path)
     expect = values("expect")
     if expect:
         if expect != ["100-continue"]:
@@ -1094,7 +1115,7 @@ def read_http_request(reader, sock):
         if version == "HTTP/1.1":
             sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
     if codings:
-        body = _read_chunked(reader)
+        body = _read_chunked(reader, max_body, path)
         headers = [h for h in headers if h[0].lower() not in ("transfer-encoding", "content-length")]
         headers.append(["Content-Length", str(len(body))])
     else:
@@ -1143,9 +1164,10 @@ class Gateway:
     one per program connection. Every fd it opens is close-on-exec, so nothing the
     agent starts inherits them."""
 
-    def __init__(self, conn, send_lock):
+    def __init__(self, conn, send_lock, max_body=GATEWAY_MAX_BODY):
         self.conn = conn
         self.send_lock = send_lock
+        self.max_body = max_body
         self.lock = threading.Lock()
         self.exchanges = {}
         self.counter = 0
@@ -1342,9 +1364,9 @@ class Gateway:
     def serve_request(self, sock, reader):
         """Serve one request; whether the connection stays open for the next."""
         try:
-            request = read_http_request(reader, sock)
+            request = read_http_request(reader, sock, self.max_body)
         except HttpError as exc:
-            _send_error(sock, exc.status, exc.message)
+            _send_error(sock, exc.status, exc.message, exc.anthropic)
             return False
         except (OSError, ValueError):  # reset, timed out, closed under it
             return False
@@ -1469,7 +1491,10 @@ class Gateway:
 def serve_gateway(conn, send_lock, request):
     """Serve `gateway` on `conn`, which is the relay channel from the answer on, until the
     server closes it; False (the connection stays an ordinary one) when it could not listen."""
-    gateway = Gateway(conn, send_lock)
+    max_body = request.get("max_body")
+    if not isinstance(max_body, int) or isinstance(max_body, bool) or not 0 < max_body <= GATEWAY_MAX_BODY:
+        max_body = GATEWAY_MAX_BODY
+    gateway = Gateway(conn, send_lock, max_body)
     try:
         port, hosts = gateway.bind(int(request.get("port") or 0))
         with send_lock:  # the answer goes out before any request frame

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass
 class HttpRequest:
     method: str
     path: str
@@ -23,6 +23,13 @@ class HttpRequest:
     headers: Mapping[str, str]
     """Header names in lower case."""
     body: bytes = b""
+    """Empty once taken (`take_body`)."""
+
+    def take_body(self) -> bytes:
+        """The body, which this request then no longer holds: whoever parses it is its only
+        holder, so a large body is freed as soon as it is parsed (not at the end of the call)."""
+        body, self.body = self.body, b""
+        return body
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The server's end of the HTTP relay: a loopback endpoint inside a network-less sandbox.
 
 `SocketGateway.open` connects to the in-sandbox runtime's Unix socket on a
-connection of its own and sends `{"id": 1, "op": "gateway", "port": P}`; the
-runtime listens on the sandbox's loopback (127.0.0.1:P, P=0 any free port) and
+connection of its own and sends `{"id": 1, "op": "gateway", "port": P, "max_body": B}`;
+the runtime listens on the sandbox's loopback (127.0.0.1:P, P=0 any free port),
+answers 413 to any request whose body would exceed B bytes before reading it, and
 answers `{"id": 1, "ok": true, "port": bound}`. From then on the connection
 carries relay frames (8-byte big-endian length + JSON, as every runtime frame),
 each naming its exchange (one HTTP request and its response) by `gw`:
@@ -21,6 +22,11 @@ writes those with chunked encoding, flushed at once: server-sent events arrive
 as they are produced). A `cancel` cancels the handler's task; a handler that
 raises is answered with 500 and a short JSON error. Closing either end closes
 the listener inside the sandbox.
+
+Memory per request: the frame's bytes are dropped once decoded, its base64 text
+once the body is decoded (taken out of the frame, which the read loop still
+names), and the handler takes the body from the `HttpRequest` it parses
+(relay.py), so no copy of a large body outlives the step that needs it.
 """
 
 from __future__ import annotations
@@ -86,9 +92,10 @@ def _checked(response: Any) -> HttpResponse:
     return response
 
 
-def _request_of(frame: Mapping[str, Any]) -> HttpRequest:
+def _request_of(frame: dict[str, Any]) -> HttpRequest:
     """The handler's view of a request frame; header names lower-cased, repeated ones joined
-    with ", " (as HTTP allows). Raises ValueError or TypeError on a malformed frame."""
+    with ", " (as HTTP allows). The base64 body is taken out of the frame. Raises ValueError or
+    TypeError on a malformed frame."""
     method, path = frame["method"], frame["path"]
     if not isinstance(method, str) or not isinstance(path, str):
         raise TypeError("method and path must be strings")
@@ -96,7 +103,7 @@ def _request_of(frame: Mapping[str, Any]) -> HttpRequest:
     for name, value in frame.get("headers") or []:
         key = str(name).lower()
         headers[key] = f"{headers[key]}, {value}" if key in headers else str(value)
-    body = base64.b64decode(frame.get("body_b64") or "", validate=True)
+    body = base64.b64decode(frame.pop("body_b64", None) or "", validate=True)
     return HttpRequest(method=method, path=path, headers=headers, body=body)
 
 
@@ -125,13 +132,23 @@ class SocketGateway(GatewayHandle):
 
     @classmethod
     async def open(
-        cls, socket_path: str, handler: GatewayHandler, *, port: int = 0, timeout_s: float = OPEN_TIMEOUT_S
+        cls,
+        socket_path: str,
+        handler: GatewayHandler,
+        *,
+        port: int = 0,
+        timeout_s: float = OPEN_TIMEOUT_S,
+        max_body_bytes: int | None = None,
     ) -> SocketGateway:
         """Connect to the runtime at `socket_path` and have it listen on `port` (0: any free
-        one). SandboxError when the runtime cannot be reached, RuntimeOpFailed when it
-        cannot listen (the port is taken: errno EADDRINUSE)."""
+        one), refusing bodies over `max_body_bytes` (None: the handler's `max_request_bytes`,
+        else the runtime's own 64 MiB). SandboxError when the runtime cannot be reached,
+        RuntimeOpFailed when it cannot listen (the port is taken: errno EADDRINUSE)."""
         if not 0 <= port <= 65535:
             raise ValueError(f"port {port} is not a TCP port")
+        if max_body_bytes is None:
+            limit = getattr(handler, "max_request_bytes", None)
+            max_body_bytes = limit if isinstance(limit, int) else None
         try:
             async with asyncio.timeout(timeout_s):
                 reader, writer = await asyncio.open_unix_connection(socket_path)
@@ -142,7 +159,10 @@ class SocketGateway(GatewayHandle):
             ) from exc
         try:
             async with asyncio.timeout(timeout_s):
-                writer.write(_encode({"id": 1, "op": "gateway", "port": port}))
+                opening: dict[str, Any] = {"id": 1, "op": "gateway", "port": port}
+                if max_body_bytes is not None:
+                    opening["max_body"] = max_body_bytes
+                writer.write(_encode(opening))
                 await writer.drain()
                 reply = await _read_frame(reader)
             if not isinstance(reply, dict) or reply.get("id") != 1:
@@ -192,6 +212,7 @@ class SocketGateway(GatewayHandle):
     async def _read_loop(self) -> None:
         try:
             while True:
+                frame = None  # the last frame (its body is its task's) is not kept while waiting
                 frame = await _read_frame(self._reader)
                 if not isinstance(frame, dict):
                     continue
@@ -226,8 +247,13 @@ class SocketGateway(GatewayHandle):
         self._writer.write(b"".join(_encode(message) for message in messages))
         await self._writer.drain()
 
-    async def _serve(self, number: int, frame: Mapping[str, Any]) -> None:
+    async def _serve(self, number: int, frame: dict[str, Any]) -> None:
         try:
+            refused = self._refusal(frame)
+            if refused is not None:  # answered from the head: the body is never decoded
+                frame.pop("body_b64", None)
+                await self._respond(number, refused)
+                return
             try:
                 if len(str(frame.get("body_b64") or "")) > INLINE_BYTES:
                     request = await asyncio.to_thread(_request_of, frame)
@@ -246,6 +272,19 @@ class SocketGateway(GatewayHandle):
             await self._respond(number, response)
         except (ConnectionError, OSError):
             pass  # the relay is gone: nobody is left to answer
+
+    def _refusal(self, frame: dict[str, Any]) -> HttpResponse | None:
+        """The handler's answer from the request's head alone, when it has an `admit` (the model
+        gateway: a bad key, too many calls at once, a body over its limit)."""
+        admit = getattr(self._handler, "admit", None)
+        if admit is None:
+            return None
+        try:
+            head = _request_of({**frame, "body_b64": ""})
+        except (KeyError, TypeError, ValueError):
+            return None  # answered 400 as malformed below
+        answer = admit(head)
+        return answer if isinstance(answer, HttpResponse) else None
 
     async def _respond(self, number: int, response: HttpResponse) -> None:
         body = response.body
