@@ -38,7 +38,14 @@ import structlog
 from prorl_server.cluster import membership
 from prorl_server.cluster.admin import ClusterAdministration
 from prorl_server.cluster.notifications import Notifications
-from prorl_server.cluster.store import ADMIN_CHANNEL, CANCEL_CHANNEL, QUEUE_CHANNEL, UNREACHABLE, ClusterStore
+from prorl_server.cluster.store import (
+    ADMIN_CHANNEL,
+    CANCEL_CHANNEL,
+    QUEUE_CHANNEL,
+    UNREACHABLE,
+    Claimed,
+    ClusterStore,
+)
 from prorl_server.config import Settings
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.record import JobRecord
@@ -160,9 +167,15 @@ class ClusterCoordinator:
                     log.exception("cluster_claim_failed")
                     claimed = []
                 for item in claimed:
-                    job = self._manager.adopt(item.job, item.cancel_reason)
-                    if job.task is not None:
-                        job.task.add_done_callback(lambda _task: self._wake_claims.set())
+                    previous = self._manager.local(item.job.job_id)
+                    if previous is not None and previous.task is not None and not previous.task.done():
+                        # This server's earlier run of the job (its lease lapsed and the job was
+                        # queued again) is still ending: it must not write under the new claim.
+                        self._store.release(item.job.job_id)
+                        self._manager.request_cancel(item.job.job_id, LEASE_LOST)
+                        self._tasks.append(asyncio.create_task(self._adopt_after(previous.task, item)))
+                        continue
+                    self._adopt(item)
                 self.claimed += len(claimed)
                 if claimed and len(claimed) == free:
                     continue  # there may be more
@@ -172,6 +185,22 @@ class ClusterCoordinator:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._cluster.poll_s):
                     await self._wake_claims.wait()
+
+    def _adopt(self, item: Claimed) -> None:
+        job = self._manager.adopt(item.job, item.cancel_reason)
+        if job.task is not None:
+            job.task.add_done_callback(lambda _task: self._wake_claims.set())
+
+    async def _adopt_after(self, previous: asyncio.Task[None], item: Claimed) -> None:
+        """Run a job claimed again once this server's earlier run of it has ended (unheld,
+        its outcome not written); the claim is held again only then."""
+        try:
+            await asyncio.wait({previous})
+        except asyncio.CancelledError:  # this server stops first: the claim goes back to the queue
+            self._handed_back.add(item.job.job_id)
+            raise
+        self._store.hold(item.job.job_id, item.job.attempt)
+        self._adopt(item)
 
     # --- heartbeat --------------------------------------------------------------------------
 

@@ -204,6 +204,11 @@ class ClusterStore(PostgresJobStore):
         """This server no longer holds the job (it ended or was lost): its writes stop."""
         self._claims.pop(job_id, None)
 
+    def hold(self, job_id: str, attempt: int) -> None:
+        """This server holds `attempt` of the job again (claimed while an earlier run of it here
+        was still ending, unheld: see ClusterCoordinator._adopt_after)."""
+        self._claims[job_id] = attempt
+
     # --- submission -------------------------------------------------------------------
 
     async def insert(
