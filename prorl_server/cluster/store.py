@@ -388,7 +388,9 @@ class ClusterStore(PostgresJobStore):
                     attempt,
                     v1.JOB_STATUS_QUEUED,
                 )
-                await _insert_event(conn, event(job_id, kept + 1, queued=v1.JobQueued(attempt=attempt, handed_back=True)))
+                await _insert_event(
+                    conn, event(job_id, kept + 1, queued=v1.JobQueued(attempt=attempt, handed_back=True))
+                )
                 await conn.execute("SELECT pg_notify($1, $2)", EVENTS_CHANNEL, job_id)
             if rows:
                 await conn.execute("SELECT pg_notify($1, '')", QUEUE_CHANNEL)

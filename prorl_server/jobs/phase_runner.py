@@ -4,9 +4,10 @@ the budget, and say how it ended.
 Time waiting for the slot is queue time and never counts against the budget;
 nor does time a step waits for a model slot (the router tells the job's
 BudgetClock, which stops the phase's deadline while any request of the job
-waits and moves it on by as much afterwards). A step that raises is classified by the handler's hook for that phase; a step
-that runs out of budget is a timeout, the policy's in the run phase (the agent
-used the time) and infrastructure's in init and eval.
+waits and moves it on by as much afterwards). A step that raises is classified
+by the handler's hook for that phase; a step that runs out of budget is a
+timeout, the policy's in the run phase (the agent used the time) and
+infrastructure's in init and eval.
 """
 
 from __future__ import annotations
@@ -151,14 +152,14 @@ class PhaseRunner:
                 if not deadline.expired():  # the step's own timeout, not the budget's
                     return self._failed(phase, on_error(exc), exc)
                 kind = v1.FAILURE_KIND_POLICY if phase == v1.PHASE_RUN else v1.FAILURE_KIND_INFRASTRUCTURE
-                waited = (
+                uncounted = (
                     f" (not counting {times.model_wait_s:.1f}s waiting for a model slot)" if times.model_wait_s else ""
                 )
                 failure = v1.Failure(
                     kind=kind,
                     phase=phase,
                     reason="budget_exceeded",
-                    message=f"the job's budget of {budget_s:g}s ran out in the {name} phase{waited}",
+                    message=f"the job's budget of {budget_s:g}s ran out in the {name} phase{uncounted}",
                 )
                 return PhaseResult(phase, v1.JOB_STATUS_TIMED_OUT, failure=failure)
             except Exception as exc:

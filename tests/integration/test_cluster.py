@@ -82,9 +82,7 @@ class Member:
         self.name = name
         self.release = release
         self.held = asyncio.Event()
-        self.provider = HoldingProvider(
-            self.held if hold == "init" else None, instance_id=instance_id(f"fake-{name}")
-        )
+        self.provider = HoldingProvider(self.held if hold == "init" else None, instance_id=instance_id(f"fake-{name}"))
         self.math = HoldingMath(self.held) if hold == "eval" else None
         registry = default_registry()
         if self.math is not None:

@@ -254,7 +254,9 @@ s.sendall(b"GET /slow HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
     assert not cancelled["slow"].is_set()
     await inside(sandbox, gateway, "s.close()")  # gone before any answer
     await asyncio.wait_for(cancelled["slow"].wait(), WAIT_S)
-    await assert_eventually(lambda: gateway.in_flight == 0, timeout_s=WAIT_S, message="a relayed request stayed in flight")
+    await assert_eventually(
+        lambda: gateway.in_flight == 0, timeout_s=WAIT_S, message="a relayed request stayed in flight"
+    )
     await gateway.close()
 
 
