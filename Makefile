@@ -15,7 +15,7 @@ export PRORL_VLLM_VENV := $(VLLM_VENV)
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-demo setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-vllm bench-load bench-cluster bench-feed bench-verification
+.PHONY: setup setup-demo setup-host setup-python images proto proto-check lint lint-proto test test-loaded test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-vllm bench-load bench-cluster bench-feed bench-verification
 
 setup: setup-host setup-python images
 
@@ -61,6 +61,11 @@ lint: lint-proto
 # family, a real gRPC server) against the fake sandbox provider and scripted LLMs.
 test:
 	$(PYTEST) -m "not podman and not e2e and not slow and not postgres and not vllm" -q
+
+# The same fast suite while a CPU hog keeps every core busy (scripts/under_load.sh): no
+# test may depend on how fast the machine is. Not run by test-all: it doubles the suite's time.
+test-loaded:
+	bash scripts/under_load.sh $(PYTEST) -m "not podman and not e2e and not slow and not postgres and not vllm" -q
 
 # The same fast suite on this machine with the podman command hidden (a private
 # mount namespace): proves `make test` needs no Podman.

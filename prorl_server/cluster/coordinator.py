@@ -19,7 +19,10 @@ Tasks, all owned here and stopped by `stop()`:
 At start a server first ends the leases it held before (it restarted after a
 crash: those jobs are lost to it) and takes them over like any lost job; it
 never resumes a job. At shutdown, jobs still running after the grace period
-are handed back: their leases end at once, so a peer takes them over.
+are handed back, whatever phase they were in (waiting for a slot, init, run,
+eval): this server queues each again itself as its next attempt, at once, and
+a peer claims it. A hand-back is not a loss: it uses none of the job's
+retry.max_restarts (which count runs lost with their server).
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ import structlog
 from prorl_server.cluster import membership
 from prorl_server.cluster.admin import ClusterAdministration
 from prorl_server.cluster.notifications import Notifications
-from prorl_server.cluster.store import ADMIN_CHANNEL, CANCEL_CHANNEL, QUEUE_CHANNEL, UNREACHABLE, ClusterStore
+from prorl_server.cluster.store import (
+    ADMIN_CHANNEL,
+    CANCEL_CHANNEL,
+    QUEUE_CHANNEL,
+    UNREACHABLE,
+    Claimed,
+    ClusterStore,
+)
 from prorl_server.config import Settings
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.record import JobRecord
@@ -45,6 +55,8 @@ log = structlog.get_logger(__name__)
 
 RETENTION_EVERY_S = 60.0
 """How often a server deletes the jobs past jobs.retain_finished_s (any server may: it is idempotent)."""
+CLAIM_STOP_S = 10.0
+"""At shutdown, how long a claim under way may take to finish before it is cancelled."""
 LEASE_LOST = (
     "this server lost its lease on the job (it could not reach the job store for cluster.lease_ttl_s); "
     "another server takes it over"
@@ -79,6 +91,7 @@ class ClusterCoordinator:
         self._wake_claims = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._claiming: asyncio.Task[None] | None = None
+        self._stop_claims = False
         self._renewed = time.monotonic()
         self._handed_back: set[str] = set()
         self._retain_s = settings.jobs.retain_finished_s
@@ -109,8 +122,16 @@ class ClusterCoordinator:
             self._tasks.append(self._claiming)
 
     async def stop_claiming(self) -> None:
+        """Claim no more. A claim under way is let finish (its jobs are then this server's and
+        handed back like the others): cancelled mid-transaction, it could take jobs in the store
+        that this server never runs, left to lapse as if it had died. Cancelled only if the
+        store does not answer within CLAIM_STOP_S."""
+        self._stop_claims = True
+        self._wake_claims.set()
         if self._claiming is not None:
-            self._claiming.cancel()
+            done, _ = await asyncio.wait({self._claiming}, timeout=CLAIM_STOP_S)
+            if not done:
+                self._claiming.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._claiming
 
@@ -126,12 +147,8 @@ class ClusterCoordinator:
         await asyncio.gather(*tasks, return_exceptions=True)
         try:
             if self._handed_back:
-                await self._store.pool.execute(
-                    "UPDATE jobs SET lease_expires = 0 WHERE server_id = $1 AND job_id = ANY($2) AND end_time IS NULL",
-                    self.server_id,
-                    list(self._handed_back),
-                )
-                log.info("jobs_handed_back", count=len(self._handed_back))
+                queued = await self._store.hand_back(sorted(self._handed_back))
+                log.info("jobs_handed_back", count=len(queued))
             await membership.leave(self._store)
         except UNREACHABLE as exc:  # their leases lapse by themselves
             log.warning("cluster_leave_failed", error=str(exc) or type(exc).__name__)
@@ -139,7 +156,7 @@ class ClusterCoordinator:
     # --- claims --------------------------------------------------------------------------
 
     async def _claims(self) -> None:
-        while True:
+        while not self._stop_claims:
             free = self._slots - self._manager.live
             if free > 0 and self._manager.accepting and self._serving:  # no claim it could not renew
                 try:
@@ -150,16 +167,40 @@ class ClusterCoordinator:
                     log.exception("cluster_claim_failed")
                     claimed = []
                 for item in claimed:
-                    job = self._manager.adopt(item.job, item.cancel_reason)
-                    if job.task is not None:
-                        job.task.add_done_callback(lambda _task: self._wake_claims.set())
+                    previous = self._manager.local(item.job.job_id)
+                    if previous is not None and previous.task is not None and not previous.task.done():
+                        # This server's earlier run of the job (its lease lapsed and the job was
+                        # queued again) is still ending: it must not write under the new claim.
+                        self._store.release(item.job.job_id)
+                        self._manager.request_cancel(item.job.job_id, LEASE_LOST)
+                        self._tasks.append(asyncio.create_task(self._adopt_after(previous.task, item)))
+                        continue
+                    self._adopt(item)
                 self.claimed += len(claimed)
                 if claimed and len(claimed) == free:
                     continue  # there may be more
             self._wake_claims.clear()
+            if self._stop_claims:
+                return
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._cluster.poll_s):
                     await self._wake_claims.wait()
+
+    def _adopt(self, item: Claimed) -> None:
+        job = self._manager.adopt(item.job, item.cancel_reason)
+        if job.task is not None:
+            job.task.add_done_callback(lambda _task: self._wake_claims.set())
+
+    async def _adopt_after(self, previous: asyncio.Task[None], item: Claimed) -> None:
+        """Run a job claimed again once this server's earlier run of it has ended (unheld,
+        its outcome not written); the claim is held again only then."""
+        try:
+            await asyncio.wait({previous})
+        except asyncio.CancelledError:  # this server stops first: the claim goes back to the queue
+            self._handed_back.add(item.job.job_id)
+            raise
+        self._store.hold(item.job.job_id, item.job.attempt)
+        self._adopt(item)
 
     # --- heartbeat --------------------------------------------------------------------------
 

@@ -17,6 +17,12 @@ in the `jobs` table:
                           after the events stored so far) while
                           RetryPolicy.max_restarts allows, else it ends FAILED,
                           infrastructure, reason `server_lost`.
+    hand-back (holder)    the holder stops gracefully with the job unfinished:
+                          it queues the job again itself, at once, as attempt
+                          + 1 (`queued` with handed_back), whatever its retry
+                          policy: nothing was lost, so no restart is used
+                          (`handbacks` counts these runs, which takeovers
+                          leave out of max_restarts).
 
 Lease times are read from the database's clock (`clock_timestamp()`), so the
 servers' clocks need not agree. Every change to a job's events is followed by
@@ -198,6 +204,11 @@ class ClusterStore(PostgresJobStore):
         """This server no longer holds the job (it ended or was lost): its writes stop."""
         self._claims.pop(job_id, None)
 
+    def hold(self, job_id: str, attempt: int) -> None:
+        """This server holds `attempt` of the job again (claimed while an earlier run of it here
+        was still ending, unheld: see ClusterCoordinator._adopt_after)."""
+        self._claims[job_id] = attempt
+
     # --- submission -------------------------------------------------------------------
 
     async def insert(
@@ -320,7 +331,7 @@ class ClusterStore(PostgresJobStore):
         taken: list[tuple[str, bool]] = []
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(
-                "SELECT job_id, request, attempt, server_id, phase FROM jobs "
+                "SELECT job_id, request, attempt, handbacks, server_id, phase FROM jobs "
                 f"WHERE end_time IS NULL AND server_id IS NOT NULL AND lease_expires < {NOW} "
                 "ORDER BY number LIMIT $1 FOR UPDATE SKIP LOCKED",
                 limit,
@@ -329,7 +340,7 @@ class ClusterStore(PostgresJobStore):
                 job_id = row["job_id"]
                 kept = await _contiguous_events(conn, job_id)
                 request = v1.RolloutRequest.FromString(row["request"])
-                if row["attempt"] <= request.retry.max_restarts:
+                if row["attempt"] - row["handbacks"] <= request.retry.max_restarts:  # restarts used so far < max
                     attempt = row["attempt"] + 1
                     queued = event(job_id, kept + 1, queued=v1.JobQueued(attempt=attempt))
                     await conn.execute(
@@ -351,6 +362,41 @@ class ClusterStore(PostgresJobStore):
         for job_id, restarted in taken:
             log.warning("job_taken_over", job_id=job_id, restarted=restarted)
         return taken
+
+    async def hand_back(self, job_ids: Sequence[str]) -> list[str]:
+        """This server stops gracefully: the unfinished jobs among `job_ids` that it still holds
+        go back to the queue now, each as its next attempt after the events stored so far (a
+        `queued` event, handed_back). Not a restart: the job's retry policy is not consulted
+        and its restarts are not used. Returns the jobs queued again."""
+        if not job_ids:
+            return []
+        async with self.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(
+                "SELECT job_id, attempt FROM jobs WHERE server_id = $1 AND job_id = ANY($2) AND end_time IS NULL "
+                "ORDER BY number FOR UPDATE",
+                self.server_id,
+                list(job_ids),
+            )
+            for row in rows:
+                job_id = row["job_id"]
+                kept = await _contiguous_events(conn, job_id)
+                attempt = row["attempt"] + 1
+                await conn.execute(
+                    "UPDATE jobs SET server_id = NULL, lease_expires = NULL, attempt = $2, status = $3, "
+                    "phase = 0, start_time = NULL, handbacks = handbacks + 1 WHERE job_id = $1",
+                    job_id,
+                    attempt,
+                    v1.JOB_STATUS_QUEUED,
+                )
+                await _insert_event(
+                    conn, event(job_id, kept + 1, queued=v1.JobQueued(attempt=attempt, handed_back=True))
+                )
+                await conn.execute("SELECT pg_notify($1, $2)", EVENTS_CHANNEL, job_id)
+            if rows:
+                await conn.execute("SELECT pg_notify($1, '')", QUEUE_CHANNEL)
+        for row in rows:
+            self._claims.pop(row["job_id"], None)
+        return [row["job_id"] for row in rows]
 
     # --- cancel ---------------------------------------------------------------------------
 

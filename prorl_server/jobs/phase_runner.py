@@ -1,17 +1,21 @@
 """Runs one phase of a job: wait for its gate, run the step within what is left of
 the budget, and say how it ended.
 
-Time waiting for the slot is queue time and never counts against the budget.
-A step that raises is classified by the handler's hook for that phase; a step
-that runs out of budget is a timeout, the policy's in the run phase (the agent
-used the time) and infrastructure's in init and eval.
+Time waiting for the slot is queue time and never counts against the budget;
+nor does time a step waits for a model slot (the router tells the job's
+BudgetClock, which stops the phase's deadline while any request of the job
+waits and moves it on by as much afterwards). A step that raises is classified
+by the handler's hook for that phase; a step that runs out of budget is a
+timeout, the policy's in the run phase (the agent used the time) and
+infrastructure's in init and eval.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,17 +31,75 @@ from prorl_server.metrics import Metrics
 log = structlog.get_logger(__name__)
 
 
+class BudgetClock:
+    """A job's budget deadline in the phase running now, stopped while the job waits for a
+    model slot (the router's WaitClock): a shared backend busy with other jobs' turns is
+    not the policy's time. Requests of one job may wait at once; the clock runs again
+    when the last stops waiting."""
+
+    def __init__(self) -> None:
+        self.model_wait_s = 0.0
+        """Time any of the job's requests waited for a model slot, overlaps counted once."""
+        self._deadline: asyncio.Timeout | None = None
+        self._waiting = 0
+        self._since = 0.0
+        self._left: float | None = None
+
+    @contextlib.contextmanager
+    def waiting_for_model(self) -> Iterator[None]:
+        self._stop()
+        try:
+            yield
+        finally:
+            self._restart()
+
+    @contextlib.contextmanager
+    def governing(self, deadline: asyncio.Timeout) -> Iterator[None]:
+        """`deadline` is the budget's while the phase runs."""
+        self._deadline = deadline
+        try:
+            yield
+        finally:
+            self._deadline, self._left = None, None
+
+    def _stop(self) -> None:
+        self._waiting += 1
+        if self._waiting > 1:
+            return
+        self._since = time.monotonic()
+        deadline = self._deadline
+        if deadline is not None and not deadline.expired() and (when := deadline.when()) is not None:
+            self._left = max(when - asyncio.get_running_loop().time(), 0.0)
+            deadline.reschedule(None)
+
+    def _restart(self) -> None:
+        self._waiting -= 1
+        if self._waiting:
+            return
+        self.model_wait_s += time.monotonic() - self._since
+        deadline, left = self._deadline, self._left
+        self._left = None
+        if deadline is not None and left is not None and not deadline.expired():
+            deadline.reschedule(asyncio.get_running_loop().time() + left)
+
+
 @dataclass
 class PhaseTimes:
     """A job's time per phase so far: what the result's timing reports."""
 
     queue_s: float = 0.0
     phase_s: dict[v1.Phase, float] = field(default_factory=lambda: dict.fromkeys(PHASE_NAMES, 0.0))
+    clock: BudgetClock = field(default_factory=BudgetClock)
+
+    @property
+    def model_wait_s(self) -> float:
+        """Time in the phases spent waiting for a model slot."""
+        return self.clock.model_wait_s
 
     @property
     def used_s(self) -> float:
-        """What the phases used of the budget (queueing excluded)."""
-        return sum(self.phase_s.values())
+        """What the phases used of the budget (queueing for a phase or a model slot excluded)."""
+        return max(sum(self.phase_s.values()) - self.model_wait_s, 0.0)
 
 
 @dataclass(frozen=True)
@@ -84,16 +146,20 @@ class PhaseRunner:
             started = time.monotonic()
             try:
                 async with asyncio.timeout(max(budget_s - times.used_s, 0.0)) as deadline:
-                    value = await step()
+                    with times.clock.governing(deadline):
+                        value = await step()
             except TimeoutError as exc:
                 if not deadline.expired():  # the step's own timeout, not the budget's
                     return self._failed(phase, on_error(exc), exc)
                 kind = v1.FAILURE_KIND_POLICY if phase == v1.PHASE_RUN else v1.FAILURE_KIND_INFRASTRUCTURE
+                uncounted = (
+                    f" (not counting {times.model_wait_s:.1f}s waiting for a model slot)" if times.model_wait_s else ""
+                )
                 failure = v1.Failure(
                     kind=kind,
                     phase=phase,
                     reason="budget_exceeded",
-                    message=f"the job's budget of {budget_s:g}s ran out in the {name} phase",
+                    message=f"the job's budget of {budget_s:g}s ran out in the {name} phase{uncounted}",
                 )
                 return PhaseResult(phase, v1.JOB_STATUS_TIMED_OUT, failure=failure)
             except Exception as exc:

@@ -1,6 +1,8 @@
 """Runs one job: init -> run -> eval, each behind its phase gate, within its budget.
 
-The budget counts only time inside the phases (never the wait for a slot).
+The budget counts only time inside the phases, never the wait for a phase's
+slot nor for a model slot (the job's BudgetClock is the router's wait clock for
+the job).
 `run`'s outcome is what `evaluate` judges. Whatever ends the job (success,
 failure, budget, cancel) it ends the same way: sandboxes removed, a result
 built from the trajectory so far, a `finished` event, the event log closed.
@@ -151,6 +153,7 @@ class Pipeline:
         ctx = self._context(job, plan, session, chains)
         chains.on_call = ctx.recorder.model_turn
         outcome = _Outcome()
+        self._router.wait_clocks[job.job_id] = outcome.times.clock
         try:
             if job.cancel_reason is not None:  # cancelled before it started to run
                 raise asyncio.CancelledError
@@ -253,6 +256,7 @@ class Pipeline:
                 run=wire.duration(phase_s[v1.PHASE_RUN]),
                 eval=wire.duration(phase_s[v1.PHASE_EVAL]),
                 llm=wire.duration(recorder.llm_s),
+                model_wait=wire.duration(outcome.times.model_wait_s),
                 tools=wire.duration(recorder.tools_s),
                 sandbox_acquire=wire.duration(ctx.sandbox_acquire_s),
                 total=wire.duration(time.time() - job.create_time),

@@ -170,6 +170,13 @@ MIGRATIONS: tuple[Migration, ...] = (
         INSERT INTO feed_meta (id, store_id) VALUES (1, md5(random()::text || clock_timestamp()::text));
         """,
     ),
+    Migration(
+        4,
+        "hand-backs: runs of a job that a stopping server gave back (not counted as restarts)",
+        """
+        ALTER TABLE jobs ADD COLUMN handbacks INTEGER NOT NULL DEFAULT 0;
+        """,
+    ),
 )
 
 SCHEMA_MIGRATIONS = """

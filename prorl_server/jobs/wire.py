@@ -72,6 +72,7 @@ def agent_event(event: AgentEvent) -> dict[str, Any]:
                 finish_reason=result.finish_reason,
                 backend_id=result.backend_id,
                 latency=duration(result.latency_s),
+                model_wait=duration(result.model_wait_s),
                 policy_version=result.policy_version,
                 switched_from_backend=result.switched_from_backend,
                 prefill=duration(result.prefill_s) if result.prefill_s is not None else None,

@@ -76,6 +76,8 @@ class ChatResult:
     policy_version: int = 0
     switched_from_backend: str = ""
     """Set when this turn went to another backend than the job's previous turn."""
+    model_wait_s: float = 0.0
+    """Time this turn waited for a model slot before it was sent (not in latency_s)."""
     prefill_s: float | None = None
     decode_s: float | None = None
     tool_call_parser: str = ""

@@ -8,6 +8,14 @@ Pause/Resume bracket a weight update: while paused no request starts;
 UpdateWeights loads a checkpoint into the backends that can load one and
 stages its version; Resume bumps the policy version that every model turn
 records. A job may ask for a minimum version: its turns wait for it.
+
+Slots are granted first come, first served: a request that finds no free slot
+joins a queue, and a slot freed by a request that ends goes straight to the
+oldest request waiting that can use it. A job that finishes a turn and asks
+again at once queues behind the jobs already waiting, so the turns of jobs
+sharing one backend interleave instead of one trajectory running to its end
+while the others wait. How long each request waited is the job's wait clock's
+business (`wait_clocks`): waiting for a slot is never the policy's time.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
@@ -51,6 +61,22 @@ class BackendEntry:
         return cap <= 0 or self.in_flight < cap
 
 
+class WaitClock(Protocol):
+    """Told when a job's request starts and stops waiting for a model slot (the job's budget
+    stops meanwhile); several requests of one job may wait at once."""
+
+    def waiting_for_model(self) -> AbstractContextManager[None]: ...
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A request waiting for a slot, in arrival order."""
+
+    job_id: str
+    min_version: int
+    granted: asyncio.Future[BackendEntry] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
 class BackendRouter:
     def __init__(self, *, health_interval_s: float = 10.0, failed_checks_to_evict: int = 1) -> None:
         self._entries: dict[str, BackendEntry] = {}
@@ -71,6 +97,10 @@ class BackendRouter:
         self._health_interval_s = health_interval_s
         self._failed_checks_to_evict = failed_checks_to_evict
         self._health_task: asyncio.Task[None] | None = None
+        self._waiters: list[_Waiter] = []
+        """Requests waiting for a slot, oldest first."""
+        self.wait_clocks: dict[str, WaitClock] = {}
+        """Per job id: the clock told of the job's waits for a slot (its budget); `forget` drops it."""
 
     # --- membership ------------------------------------------------------------
 
@@ -81,6 +111,7 @@ class BackendRouter:
         entry = BackendEntry(backend, managed=managed)
         self._entries[backend_id] = entry
         self._wake()
+        self._dispatch()
         log.info("backend_added", backend=backend_id, url=backend.info.base_url)
         return entry
 
@@ -92,6 +123,7 @@ class BackendRouter:
             raise FailedPrecondition(f"backend {backend_id!r} is the server's embedded model and cannot be removed")
         del self._entries[backend_id]
         entry.removed = True
+        self._dispatch()  # requests waiting for the last backend learn there is none
         if entry.in_flight == 0:
             await entry.backend.close()
         log.info("backend_removed", backend=backend_id)
@@ -100,8 +132,9 @@ class BackendRouter:
         return list(self._entries.values())
 
     def forget(self, job_id: str) -> None:
-        """The job has finished: drop its stickiness."""
+        """The job has finished: drop its stickiness and its wait clock."""
         self._sticky.pop(job_id, None)
+        self.wait_clocks.pop(job_id, None)
 
     # --- choosing --------------------------------------------------------------
 
@@ -120,34 +153,95 @@ class BackendRouter:
             return None
         return min(candidates, key=lambda e: e.in_flight / e.backend.info.weight)
 
-    @contextlib.asynccontextmanager
-    async def lease(self, job_id: str, *, min_version: int = 0) -> AsyncIterator[BackendEntry]:
-        """A backend for one request of `job_id`, counted in flight while held; the request
-        waits until the policy version is at least `min_version`."""
-        while True:
-            await self._resumed.wait()
-            if self.policy_version < min_version:
-                await self._changed.wait()
-                continue
-            if not self._entries:
-                raise LLMError("no LLM backend is configured: add one with AdminService.AddBackend")
-            if not any(e.healthy for e in self._entries.values()):
-                raise LLMError("every LLM backend is failing its health check", reason="llm_unavailable")
-            entry = self._choose(job_id)
-            if entry is not None:
-                break
-            await self._changed.wait()
+    def _unservable(self) -> LLMError | None:
+        """Why no request can be served now, whatever it waits for."""
+        if not self._entries:
+            return LLMError("no LLM backend is configured: add one with AdminService.AddBackend")
+        if not any(e.healthy for e in self._entries.values()):
+            return LLMError("every LLM backend is failing its health check", reason="llm_unavailable")
+        return None
+
+    def _eligible(self, waiter: _Waiter) -> bool:
+        """The waiter could be served now if a slot were free (not held by a pause or a version)."""
+        return not waiter.granted.done() and not self.paused and self.policy_version >= waiter.min_version
+
+    def _take(self, job_id: str, entry: BackendEntry) -> BackendEntry:
         self._sticky[job_id] = entry.id
         entry.in_flight += 1
         entry.requests_total += 1
+        return entry
+
+    def _take_now(self, job_id: str, min_version: int) -> BackendEntry | None:
+        """A slot for a new request without waiting, if one is free and nobody who could
+        use it waits already (a new request never overtakes the queue)."""
+        if self.paused or self.policy_version < min_version:
+            return None
+        if any(self._eligible(waiter) for waiter in self._waiters):
+            return None
+        problem = self._unservable()
+        if problem is not None:
+            raise problem
+        entry = self._choose(job_id)
+        return self._take(job_id, entry) if entry is not None else None
+
+    def _dispatch(self) -> None:
+        """Hand free slots to the waiting requests, oldest first; tell them when none can be served."""
+        self._waiters = [waiter for waiter in self._waiters if not waiter.granted.done()]
+        if self.paused or not self._waiters:
+            return
+        for waiter in list(self._waiters):
+            if not self._eligible(waiter):
+                continue
+            problem = self._unservable()
+            if problem is not None:
+                waiter.granted.set_exception(problem)
+                continue
+            entry = self._choose(waiter.job_id)
+            if entry is None:
+                break  # no backend has a free slot: nobody behind gets one either
+            waiter.granted.set_result(self._take(waiter.job_id, entry))
+        self._waiters = [waiter for waiter in self._waiters if not waiter.granted.done()]
+
+    def _release(self, entry: BackendEntry) -> None:
+        entry.in_flight -= 1
+        self._wake()
+        self._dispatch()
+
+    async def _wait_for_slot(self, job_id: str, min_version: int) -> BackendEntry:
+        waiter = _Waiter(job_id, min_version)
+        self._waiters.append(waiter)
+        clock = self.wait_clocks.get(job_id)
+        with clock.waiting_for_model() if clock is not None else contextlib.nullcontext():
+            try:
+                return await waiter.granted
+            except asyncio.CancelledError:
+                granted = waiter.granted
+                if granted.done() and not granted.cancelled() and granted.exception() is None:
+                    self._release(granted.result())  # granted just as it was cancelled: pass the slot on
+                elif waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                raise
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot (a pause or a policy version included)."""
+        return sum(1 for waiter in self._waiters if not waiter.granted.done())
+
+    @contextlib.asynccontextmanager
+    async def lease(self, job_id: str, *, min_version: int = 0) -> AsyncIterator[BackendEntry]:
+        """A backend for one request of `job_id`, counted in flight while held; the request
+        waits until the policy version is at least `min_version`, and for a free slot in
+        arrival order."""
+        entry = self._take_now(job_id, min_version)
+        if entry is None:
+            entry = await self._wait_for_slot(job_id, min_version)
         try:
             yield entry
         except LLMError:
             entry.errors_total += 1
             raise
         finally:
-            entry.in_flight -= 1
-            self._wake()
+            self._release(entry)
             if entry.removed and entry.in_flight == 0:
                 await asyncio.shield(entry.backend.close())
 
@@ -158,6 +252,7 @@ class BackendRouter:
             log.warning("backend_unreachable", backend=entry.id)
             entry.healthy = False
             self._wake()
+            self._dispatch()
         return any(e.healthy for e in self._entries.values())
 
     # --- pause / resume around a weight update -------------------------------------
@@ -200,6 +295,7 @@ class BackendRouter:
             return policy_version
         self._resumed.set()
         self._wake()
+        self._dispatch()
         log.info("generation_resumed", policy_version=policy_version)
         return policy_version
 
@@ -288,6 +384,7 @@ class BackendRouter:
                 log.warning("backend_health_changed", backend=entry.id, healthy=healthy)
                 entry.healthy = healthy
                 self._wake()
+                self._dispatch()
 
     async def _health_loop(self) -> None:
         while True:
@@ -303,3 +400,4 @@ class BackendRouter:
         for entry in list(self._entries.values()):
             await entry.backend.close()
         self._entries.clear()
+        self._dispatch()  # anything still waiting learns there is no backend

@@ -3,7 +3,9 @@
 Per turn: lease a backend from the router, send the turn again after a Pause
 aborted it (once Resume lets it through, marked as re-sampled), fail over to another healthy
 backend when this one stays unreachable, and stamp the result with the
-policy version and any switch of backend. What a turn is on the leased
+policy version, any switch of backend, and how long the turn waited for a
+model slot (not in its latency; the router tells the job's wait clock, so that
+the wait is not counted against the job's budget). What a turn is on the leased
 backend (for a token backend, the exact token trajectory) is the job's
 JobChat's business (llm/job_chat.py).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,8 +45,11 @@ class LLMSession:
         request goes to another healthy backend, if there is one.
         """
         resampled = False
+        waited = 0.0
         while True:
+            asked = time.monotonic()
             async with self._router.lease(self.job_id, min_version=self.min_policy_version) as entry:
+                waited += time.monotonic() - asked
                 version = self._router.policy_version
                 request = asyncio.create_task(self._job_chat.chat(entry.backend, messages, tools, sampling))
                 self._router.track(request)
@@ -62,7 +68,12 @@ class LLMSession:
             switched = self._last_backend if self._last_backend and self._last_backend != entry.id else ""
             self._last_backend = entry.id
             return dataclasses.replace(
-                result, backend_id=entry.id, policy_version=version, switched_from_backend=switched, resampled=resampled
+                result,
+                backend_id=entry.id,
+                policy_version=version,
+                switched_from_backend=switched,
+                resampled=resampled,
+                model_wait_s=waited,
             )
 
     def turn_spans(self) -> list[tuple[int, int]]:

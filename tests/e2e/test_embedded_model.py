@@ -65,6 +65,49 @@ async def test_four_math_rollouts_on_the_embedded_model(start_server) -> None:
         assert job.result == result
 
 
+async def test_six_jobs_on_the_one_cpu_model_share_it_and_no_budget_pays_for_the_wait(start_server) -> None:
+    """Six math jobs with 20 s of budget on the embedded model, whose one slot serves a turn
+    at a time. None ends TIMED_OUT for time spent waiting for the model (a job may still use
+    up its budget with its own init, tools and model turns: on a loaded machine it does), and
+    their turns interleave (a job ending a turn queues behind the others): it used to serve
+    whole trajectories one after another, and time out the last ones with 0 turns."""
+    _, client = await start_server(None, phases={"init": 6, "run": 6, "eval": 6})
+    requests = []
+    for index in range(6):
+        request = math_request(f"What is {index} + 40? Use python.", str(index + 40), job_id=f"share-{index}")
+        request.limits.max_turns = 4
+        request.limits.budget.FromSeconds(20)
+        request.sampling.max_tokens = 96
+        request.sampling.temperature = 0.7
+        request.sampling.seed = index
+        requests.append(request)
+    turns: list[tuple[str, v1.ModelTurn]] = []
+    results: dict[str, v1.RolloutResult] = {}
+    async for item in client.rollout_many(requests):
+        assert isinstance(item, v1.RolloutEvent), f"rejected: {item}"
+        if item.HasField("model_turn"):
+            turns.append((item.job_id, item.model_turn))
+        elif item.HasField("finished"):
+            results[item.job_id] = item.finished.result
+
+    assert len(results) == 6
+    for result in results.values():  # a policy failure for time it spent waiting is what must not happen
+        timing = result.timing
+        phases = sum(d.ToNanoseconds() for d in (timing.init, timing.run, timing.eval))
+        own_s = (phases - timing.model_wait.ToNanoseconds()) / 1e9
+        if result.failure.reason == "budget_exceeded":  # only where its own time (init, tools, model) used it up
+            assert own_s >= 20 - 0.05, (own_s, result.failure)
+            assert timing.model_wait.ToNanoseconds() == 0 or "waiting for a model slot" in result.failure.message
+    # The jobs waited for the model (their own bar, not the budget's).
+    assert any(result.timing.model_wait.ToNanoseconds() > 0 for result in results.values())
+    assert all(turn.model_wait.ToNanoseconds() >= 0 for _, turn in turns)
+    # Interleaved: jobs with several turns do not have them back to back in the model's order.
+    order = [job for job, _ in turns]
+    runs = [job for index, job in enumerate(order) if index == 0 or order[index - 1] != job]
+    several = {job for job in order if order.count(job) > 1}
+    assert several and len(runs) > len(set(order)), order
+
+
 def test_demo_command_writes_one_line_per_rollout(tmp_path: Path) -> None:
     """The README's demo command, on two tasks."""
     out = tmp_path / "trajectories.jsonl"

@@ -23,8 +23,12 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prorl_client import Client, RpcError, v1
+from prorl_server.agents.base import EvalOutcome, RolloutContext, RunOutcome
+from prorl_server.agents.math import MathHandler, MathInstance
+from prorl_server.agents.registry import default_registry
 from prorl_server.app import ProrlServer
 from prorl_server.config import load_settings
+from prorl_server.sandbox.base import Sandbox, SandboxSpec
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import LoadableScriptedBackend, ScriptedReply, tool_call_text, user_prompt
@@ -35,13 +39,54 @@ from tests.postgres import PostgresCluster, postgres_cluster_fixture, postgres_u
 pytestmark = pytest.mark.postgres
 
 
-class Member:
-    """One server of the test cluster, with its own fake sandboxes and scripted model."""
+class HoldingProvider(FakeSandboxProvider):
+    """Fake sandboxes whose creation waits, while `hold` is given and not set: a job held in init."""
 
-    def __init__(self, name: str, url: str, release: asyncio.Event, **cluster: Any) -> None:
+    def __init__(self, hold: asyncio.Event | None, **options: Any) -> None:
+        super().__init__(**options)
+        self.hold = hold
+        self.holding = 0
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        if self.hold is not None and not self.hold.is_set():
+            self.holding += 1
+            try:
+                await self.hold.wait()
+            finally:
+                self.holding -= 1
+        return await super().create(spec)
+
+
+class HoldingMath(MathHandler):
+    """The math family, whose evaluation waits while `hold` is not set: a job held in eval."""
+
+    def __init__(self, hold: asyncio.Event) -> None:
+        super().__init__()
+        self.hold = hold
+        self.holding = 0
+
+    async def evaluate(self, ctx: RolloutContext[MathInstance], outcome: RunOutcome) -> EvalOutcome:
+        self.holding += 1
+        try:
+            await self.hold.wait()
+        finally:
+            self.holding -= 1
+        return await super().evaluate(ctx, outcome)
+
+
+class Member:
+    """One server of the test cluster, with its own fake sandboxes and scripted model.
+    `hold`: "init" or "eval" holds this server's jobs in that phase until `held` is set."""
+
+    def __init__(self, name: str, url: str, release: asyncio.Event, hold: str = "", **cluster: Any) -> None:
         self.name = name
         self.release = release
-        self.provider = FakeSandboxProvider(instance_id=instance_id(f"fake-{name}"))
+        self.held = asyncio.Event()
+        self.provider = HoldingProvider(self.held if hold == "init" else None, instance_id=instance_id(f"fake-{name}"))
+        self.math = HoldingMath(self.held) if hold == "eval" else None
+        registry = default_registry()
+        if self.math is not None:
+            registry.register(self.math)
         self.backend = LoadableScriptedBackend(self.script)
         settings = load_settings(
             None,
@@ -54,7 +99,7 @@ class Member:
                 "cluster": {"lease_ttl_s": 4, "heartbeat_s": 0.5, "poll_s": 0.5, **cluster},
             },
         )
-        self.server = ProrlServer(settings, sandbox_provider=self.provider, backends=[self.backend])
+        self.server = ProrlServer(settings, registry=registry, sandbox_provider=self.provider, backends=[self.backend])
         self.client: Client | None = None
 
     def script(self, messages: list[dict[str, Any]]) -> ScriptedReply:
@@ -73,6 +118,7 @@ class Member:
         return self
 
     async def stop(self) -> None:
+        self.held.set()
         if self.client is not None:
             await self.client.close()
         await self.server.stop()
@@ -312,7 +358,6 @@ async def _equals(value: Awaitable[Any], expected: Any) -> bool:
 async def test_a_server_that_stops_hands_its_running_jobs_to_a_peer(cluster: Cluster) -> None:
     members = [await cluster(name) for name in ("a", "b")]
     request = math_request("hold", job_id="h1")
-    request.retry.max_restarts = 1
     await members[0].rpc.submit(request)
     holder = await held_on(members)
     peer = next(member for member in members if member is not holder)
@@ -325,6 +370,92 @@ async def test_a_server_that_stops_hands_its_running_jobs_to_a_peer(cluster: Clu
     queued = [event.queued.attempt for event in events if event.HasField("queued")]
     assert queued == [1, 2] and peer.claimed() == 1
     assert [event.seq for event in events] == list(range(1, len(events) + 1))
+
+
+@pytest.mark.parametrize("phase", ["queued", "init", "run", "eval"])
+async def test_a_stopping_server_hands_a_job_back_from_every_phase_and_no_restart_is_used(
+    cluster: Cluster, phase: str
+) -> None:
+    """Server a holds the job waiting for an init slot, in init, in run, or in eval; it stops
+    gracefully (grace 0); b, started meanwhile, runs the job again and it succeeds. The job
+    allows no restart (max_restarts 0, the default): a hand-back is not a lost server."""
+    a = await cluster("a", hold=phase if phase in ("init", "eval") else "")
+    question = "hold" if phase == "run" else "answer 7"
+    request = math_request(question, "42" if phase == "run" else "7", job_id=f"hb-{phase}")
+    init_gate = a.server._gates[v1.PHASE_INIT]
+    slots_taken = asyncio.Event()
+    blockers: list[asyncio.Task[None]] = []
+    if phase == "queued":  # both of a's init slots are busy: the job waits for one
+
+        async def occupy() -> None:
+            async with init_gate.slot():
+                await slots_taken.wait()
+
+        blockers = [asyncio.create_task(occupy()) for _ in range(init_gate.limit)]
+        await assert_eventually(lambda: init_gate.active == init_gate.limit)
+    await a.rpc.submit(request)
+    held: dict[str, Callable[[], bool]] = {
+        "queued": lambda: init_gate.queued == 1,
+        "init": lambda: a.provider.holding == 1,
+        "run": lambda: a.backend.in_flight == 1,
+        "eval": lambda: a.math is not None and a.math.holding == 1,
+    }
+    await assert_eventually(held[phase], message=f"the job never got held in {phase} on a")
+    assert a.server.manager is not None
+    log = a.server.manager.local(request.job_id)
+    assert log is not None
+    await assert_eventually(lambda: log.events.durable_seq == log.events.last_seq, message="a's events not stored")
+    b = await cluster("b")
+
+    await a.server.stop()  # grace 0: the job is handed back, from whatever phase it was in
+    a.release.set()  # from now on b's model answers "hold" at once
+    slots_taken.set()
+    await asyncio.gather(*blockers)
+    events = [event async for event in b.rpc.watch(request.job_id)]
+
+    result = events[-1].finished.result
+    assert result.status == v1.JOB_STATUS_SUCCEEDED and result.reward == 1.0, result.failure
+    queued = [(e.queued.attempt, e.queued.handed_back) for e in events if e.HasField("queued")]
+    assert queued == [(1, False), (2, True)]
+    assert a.claimed() == 1 and b.claimed() == 1
+    assert [event.seq for event in events] == list(range(1, len(events) + 1))
+    started = [e.phase_started.phase for e in events if e.HasField("phase_started")]
+    reached = {"queued": [], "init": [v1.PHASE_INIT], "run": [v1.PHASE_INIT, v1.PHASE_RUN]}
+    expected_on_a = reached.get(phase, [v1.PHASE_INIT, v1.PHASE_RUN, v1.PHASE_EVAL])
+    # a's phases as far as it got (every event it wrote before it stopped), then b's whole run.
+    assert started == [*expected_on_a, v1.PHASE_INIT, v1.PHASE_RUN, v1.PHASE_EVAL]
+
+
+async def test_a_handed_back_job_keeps_its_restarts_for_a_server_that_is_lost(
+    cluster: Cluster, postgres_url: str
+) -> None:
+    """max_restarts 1, handed back once: when its next server's lease then lapses (a lost
+    server, simulated in the store), the job still runs again, as its third attempt."""
+    a = await cluster("a")
+    request = math_request("hold", job_id="hb-then-lost")
+    request.retry.max_restarts = 1
+    await a.rpc.submit(request)
+    await assert_eventually(lambda: a.backend.in_flight == 1, message="the job never reached a's model")
+    await a.server.stop()
+    b = await cluster("b")
+    await assert_eventually(lambda: b.backend.in_flight == 1, message="b never ran the handed-back job")
+    conn = await asyncpg.connect(postgres_url)
+    try:  # the job's server is lost: its lease lapses (it is another's, "ghost", which never renews)
+        await conn.execute("UPDATE jobs SET server_id = 'ghost', lease_expires = 0 WHERE job_id = $1", request.job_id)
+    finally:
+        await conn.close()
+    b.release.set()  # b's own run of attempt 2 may end now: its write is refused, it no longer holds the job
+
+    async def succeeded() -> bool:
+        job = await b.rpc.get_job(request.job_id)
+        return bool(job.status == v1.JOB_STATUS_SUCCEEDED)
+
+    await assert_eventually(succeeded, message="the job never ran again after its server was lost")
+    events = [event async for event in b.rpc.watch(request.job_id)]
+
+    queued = [(e.queued.attempt, e.queued.handed_back) for e in events if e.HasField("queued")]
+    assert queued == [(1, False), (2, True), (3, False)]
+    assert events[-1].finished.result.status == v1.JOB_STATUS_SUCCEEDED
 
 
 async def test_ten_seconds_without_the_store_lose_no_job_and_refuse_submissions(

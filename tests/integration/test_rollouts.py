@@ -116,10 +116,11 @@ async def test_cancel_mid_run_ends_cancelled_and_removes_the_container(scripted_
 
 
 async def test_budget_expiry_ends_timed_out_with_the_partial_trajectory(scripted_llm, start_server, podman_url) -> None:
-    llm = await scripted_llm(lambda messages: ScriptedReply(tool_call_text("bash", {"command": "sleep 10"})))
+    llm = await scripted_llm(lambda messages: ScriptedReply(tool_call_text("bash", {"command": "sleep 60"})))
     _, client = await start_server(llm.base_url)
 
-    events = await collect(client.rollout(math_request("Sleep", job_id="slow-1", budget_s=2.0)))
+    # 8 s: the init phase (a Podman sandbox's start) has to fit in it on a loaded machine.
+    events = await collect(client.rollout(math_request("Sleep", job_id="slow-1", budget_s=8.0)))
 
     result = events[-1].finished.result
     assert result.status == v1.JOB_STATUS_TIMED_OUT
@@ -128,10 +129,10 @@ async def test_budget_expiry_ends_timed_out_with_the_partial_trajectory(scripted
     assert result.failure.kind == v1.FAILURE_KIND_POLICY
     assert result.trajectory.num_turns == 1
     assistant = [m for m in result.trajectory.messages if m.role == "assistant"]
-    assert "sleep 10" in assistant[0].content
+    assert "sleep 60" in assistant[0].content
     assert "tool_call" in kinds(events)
     budget_used = sum(t.ToNanoseconds() for t in (result.timing.init, result.timing.run, result.timing.eval)) / 1e9
-    assert 2.0 <= budget_used < 9.0  # stopped by the budget, not by the 10 s command
+    assert 8.0 <= budget_used < 50.0  # stopped by the budget, not by the 60 s command
     assert not job_containers(podman_url, "slow-1")
 
 

@@ -112,6 +112,22 @@ def test_token_ids_shown_without_a_tokenizer_and_old_lines_still_render() -> Non
     assert page.count("class='wf-bar") == 5  # queue, init, run, eval, cleanup from the timing
 
 
+def test_time_waiting_for_a_model_slot_is_a_bar_of_its_own_and_a_column_of_the_turns() -> None:
+    waited = record("q1")
+    waited["timeline"].insert(4, {"kind": "wait", "name": "wait 1", "start": 1.0, "end": 1.6, "turn": 1})
+    waited["timeline"][5] = {**waited["timeline"][5], "start": 1.6, "end": 1.7}
+    page = render([waited])
+    bars = re.findall(r"class='wf-bar wf-wait wf-wait' style='left:([\d.]+)%;width:([\d.]+)%' title='([^']*)'", page)
+    assert len(bars) == 1 and "waiting for a model slot" in bars[0][2] and "not in the budget" in bars[0][2]
+    assert float(bars[0][1]) == pytest.approx(100 * 0.6 / 1.86, abs=0.01)
+    cells = re.findall(r"<tr><td>(\d)</td><td>v\d</td><td></td><td></td><td></td><td>([\d.]+s)</td>", page)
+    assert cells == [("0", "0.00s"), ("1", "0.60s")]  # the turns table: what each turn waited
+    old = record("q1", timing={**record("q1")["timing"], "modelWait": "0.900s"})
+    del old["timeline"]
+    fallback = render([old])  # a line without a timeline: the total wait, from the result's timing
+    assert fallback.count("class='wf-bar wf-wait") == 1 and "model wait" in fallback
+
+
 def test_summary_per_family() -> None:
     rows = summary_rows(summarize([record("q1"), record("q3", reward=0.0), FAILED]))
     assert rows[0] == ["math", "2", "2", "0.500", "2.0", "2", "2", "finish x2", "-"]

@@ -64,7 +64,7 @@ async def test_event_log_replays_then_follows_until_closed() -> None:
     await asyncio.sleep(0)
     log.append(phase_started=v1.PhaseStarted(phase=v1.PHASE_RUN))
     log.close()
-    await asyncio.wait_for(task, 1)
+    await asyncio.wait_for(task, 30)
     assert seen == [2, 3]
     assert [e.job_id for e in log.events()] == ["j"] * 3
 
@@ -97,6 +97,6 @@ async def test_a_durable_follower_sees_only_what_is_stored_and_ends_if_the_rest_
     await asyncio.sleep(0)
     assert seen == [1] and not follower.done()  # closed, but seq 2 and 3 are not stored
     log.lose_durability()  # the final write failed: the follower goes on from the store
-    await asyncio.wait_for(follower, 1)
+    await asyncio.wait_for(follower, 30)
     assert seen == [1]
     assert [event.seq async for event in log.follow()] == [1, 2, 3]  # a plain follower sees all

@@ -231,7 +231,8 @@ async def test_a_policy_error_in_run_is_the_policys_failure(harness: HarnessFact
 
 async def test_the_budget_running_out_in_run_is_a_policy_timeout(harness: HarnessFactory) -> None:
     built = harness([tool_call_text("bash", {"command": "sleep 60"})])
-    job = built.job(budget(math_request("Sleep", job_id="slow"), 1.0))
+    # 5 s: the init phase (a fake sandbox's start) has to fit in it on a loaded machine.
+    job = built.job(budget(math_request("Sleep", job_id="slow"), 5.0))
 
     result = await built.run(job)
 
@@ -241,7 +242,7 @@ async def test_the_budget_running_out_in_run_is_a_policy_timeout(harness: Harnes
         v1.PHASE_RUN,
         "budget_exceeded",
     )
-    assert result.failure.message == "the job's budget of 1s ran out in the run phase"
+    assert result.failure.message == "the job's budget of 5s ran out in the run phase"
     # The partial trajectory: the turn that started the command.
     assert result.trajectory.num_turns == 1 and "sleep 60" in result.trajectory.messages[2].content
     assert dict(result.details) == {"format_errors": 0}
@@ -320,6 +321,72 @@ async def test_the_budget_does_not_count_time_queued_for_a_slot(harness: Harness
     run_started = [e.phase_started for e in job.events.events() if e.HasField("phase_started")][1]
     assert run_started.phase == v1.PHASE_RUN and nanos(run_started.queue_wait) > budget_s * 1e9
     assert nanos(result.timing.queue) > budget_s * 1e9
+
+
+async def test_jobs_sharing_one_model_slot_interleave_and_their_budget_never_counts_the_wait(
+    harness: HarnessFactory,
+) -> None:
+    """Six jobs with 3 s of budget on a slow model with one slot: each job's own model time is
+    0.9 s (3 turns of 0.3 s), the six together need 5.4 s of it, so the last turn of every job
+    comes well after 3 s. None times out (the wait for the slot is not the policy's time), and
+    the turns go round, first come first served, rather than one trajectory after another."""
+    turns, turn_s, budget_s = 3, 0.3, 3.0
+    script = [ScriptedReply("ok", delay_s=turn_s)] * (6 * turns)
+    built = harness(ScriptedChatBackend(script, max_in_flight=1), run=6)
+
+    waits: dict[str, list[float]] = {}
+
+    async def chat_turns(ctx: RolloutContext[Any]) -> None:
+        for turn in range(turns):
+            result = await ctx.chat([{"role": "user", "content": f"{ctx.job_id}:{turn}"}], [], ctx.sampling)
+            waits.setdefault(ctx.job_id, []).append(result.model_wait_s)
+
+    jobs = [built.job(budget(steps_request(job_id=f"j{n}"), budget_s), StepsHandler(run=chat_turns)) for n in range(6)]
+    results = await asyncio.gather(*(built.run(job) for job in jobs))
+
+    assert [r.status for r in results] == [v1.JOB_STATUS_SUCCEEDED] * 6, [r.failure for r in results]
+    assert isinstance(built.backend, ScriptedChatBackend)
+    served = [str(request.messages[-1]["content"]).split(":") for request in built.backend.requests]
+    rounds = [served[k * 6 : (k + 1) * 6] for k in range(turns)]
+    order = [job for job, _ in rounds[0]]
+    assert sorted(order) == [f"j{n}" for n in range(6)]
+    # Round k is every job's turn k, in the order the jobs first came: no job takes two turns in a row.
+    assert rounds == [[[job, str(k)] for job in order] for k in range(turns)]
+    last = results[-1].timing
+    # The last job waited for the others' turns: more than its whole budget, shown on its own bar.
+    assert nanos(last.model_wait) > budget_s * 1e9 and nanos(last.run) > budget_s * 1e9
+    assert nanos(last.run) - nanos(last.model_wait) < budget_s * 1e9
+    # Each turn says what it waited (ModelTurn.model_wait); the job's total is their sum.
+    assert len(waits["j5"]) == turns and all(w > 0 for w in waits["j5"])
+    assert sum(waits["j5"]) * 1e9 == pytest.approx(nanos(last.model_wait), rel=0.05)
+
+
+async def test_a_job_whose_own_model_time_exceeds_its_budget_still_times_out_as_the_policys(
+    harness: HarnessFactory,
+) -> None:
+    """The wait is excluded, not the policy's own time: a job behind another on the one slot
+    whose own turns take longer than its budget ends TIMED_OUT, and says what it waited."""
+
+    def reply(messages: list[dict[str, Any]]) -> ScriptedReply:
+        return ScriptedReply("ok", delay_s=1.0 if messages[-1]["content"] == "first" else 60)
+
+    backend = ScriptedChatBackend(reply, max_in_flight=1)
+    built = harness(backend, run=2)
+
+    async def one_turn(ctx: RolloutContext[Any]) -> None:
+        await ctx.chat([{"role": "user", "content": ctx.job_id}], [], ctx.sampling)
+
+    first = built.job(steps_request(job_id="first"), StepsHandler(run=one_turn))
+    slow = built.job(budget(steps_request(job_id="slow"), 0.3), StepsHandler(run=one_turn))
+    first_task = asyncio.create_task(built.run(first))
+    await assert_eventually(lambda: backend.in_flight == 1, message="the first job never reached the model")
+    done, timed_out = await asyncio.gather(first_task, built.run(slow))
+
+    assert done.status == v1.JOB_STATUS_SUCCEEDED
+    assert timed_out.status == v1.JOB_STATUS_TIMED_OUT
+    assert (timed_out.failure.kind, timed_out.failure.reason) == (v1.FAILURE_KIND_POLICY, "budget_exceeded")
+    assert "waiting for a model slot" in timed_out.failure.message
+    assert nanos(timed_out.timing.model_wait) > 0.3e9  # it waited longer than its budget, and went on
 
 
 # --- a TimeoutError that is not the budget's ---------------------------------------------

@@ -1,9 +1,11 @@
-"""The backend pool: live-load choice, stickiness, health, removal, pause/resume, caps."""
+"""The backend pool: live-load choice, stickiness, health, removal, pause/resume, caps, and slots
+granted first come, first served (with each wait told to the job's wait clock)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -243,3 +245,107 @@ async def test_eviction_can_wait_for_failed_checks_in_a_row() -> None:
     flaky.healthy = True
     await pool.check_health()  # one good answer readmits
     assert (await LLMSession("back", pool).chat(MESSAGES, [], SAMPLING)).backend_id == "flaky"
+
+
+class OrderedBackend(FakeBackend):
+    """One slot; each reply waits for the test's step, and the order requests were served in is kept."""
+
+    def __init__(self) -> None:
+        super().__init__("one", max_in_flight=1)
+        self.served: list[str] = []
+
+    async def chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
+    ) -> ChatResult:
+        self.served.append(str(messages[-1]["content"]))
+        await asyncio.sleep(0.01)  # the backend works a little; no test outcome depends on how long
+        return ChatResult(text="ok", finish_reason="stop")
+
+
+async def test_turns_of_jobs_sharing_one_slot_interleave_first_come_first_served() -> None:
+    """Each job asks for its next turn the moment its last one ends (no await between them,
+    the worst case): it still queues behind the jobs already waiting, so the turns go round."""
+    pool = BackendRouter(health_interval_s=0)
+    backend = OrderedBackend()
+    pool.add(backend)
+
+    async def job(name: str) -> None:
+        session = LLMSession(name, pool)
+        for turn in range(3):
+            await session.chat([{"role": "user", "content": f"{name}:{turn}"}], [], SAMPLING)
+
+    await asyncio.gather(*(job(f"j{n}") for n in range(4)))
+    assert backend.served == [f"j{n}:{turn}" for turn in range(3) for n in range(4)]
+    assert pool.waiting == 0 and pool.entries()[0].in_flight == 0
+
+
+class Clock:
+    """A wait clock that records each wait's start and end."""
+
+    def __init__(self) -> None:
+        self.waits: list[str] = []
+
+    @contextlib.contextmanager
+    def waiting_for_model(self) -> Iterator[None]:
+        self.waits.append("start")
+        try:
+            yield
+        finally:
+            self.waits.append("end")
+
+
+async def test_a_request_that_waits_for_a_slot_tells_its_jobs_clock_and_the_turn_says_how_long() -> None:
+    pool = BackendRouter(health_interval_s=0)
+    backend = FakeBackend("one", max_in_flight=1)
+    pool.add(backend)
+    clocks = {"first": Clock(), "second": Clock()}
+    pool.wait_clocks.update(clocks)
+    backend.gate.clear()
+    first = asyncio.create_task(LLMSession("first", pool).chat(MESSAGES, [], SAMPLING))
+    await wait_for(lambda: backend.calls == 1)
+    second = asyncio.create_task(LLMSession("second", pool).chat(MESSAGES, [], SAMPLING))
+    await wait_for(lambda: pool.waiting == 1)
+    assert clocks["second"].waits == ["start"]  # waiting now: its job's budget is stopped
+    await asyncio.sleep(0.1)  # a wait of at least this long, whatever the machine
+    backend.gate.set()
+    results = await asyncio.gather(first, second)
+    assert clocks["first"].waits == [] and clocks["second"].waits == ["start", "end"]
+    assert results[0].model_wait_s < results[1].model_wait_s and results[1].model_wait_s >= 0.1
+    pool.forget("second")
+    assert "second" not in pool.wait_clocks
+
+
+async def test_a_request_cancelled_while_it_waits_leaves_the_queue_and_the_slot_goes_on() -> None:
+    pool = BackendRouter(health_interval_s=0)
+    backend = FakeBackend("one", max_in_flight=1)
+    pool.add(backend)
+    backend.gate.clear()
+    first = asyncio.create_task(LLMSession("first", pool).chat(MESSAGES, [], SAMPLING))
+    await wait_for(lambda: backend.calls == 1)
+    gone = asyncio.create_task(LLMSession("gone", pool).chat(MESSAGES, [], SAMPLING))
+    third = asyncio.create_task(LLMSession("third", pool).chat(MESSAGES, [], SAMPLING))
+    await wait_for(lambda: pool.waiting == 2)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert pool.waiting == 1
+    backend.gate.set()
+    await asyncio.gather(first, third)
+    assert backend.calls == 2 and pool.entries()[0].in_flight == 0
+
+
+async def test_a_queued_request_learns_when_its_last_backend_fails() -> None:
+    pool = BackendRouter(health_interval_s=0)
+    backend = FakeBackend("one", max_in_flight=1)
+    pool.add(backend)
+    backend.gate.clear()
+    first = asyncio.create_task(LLMSession("first", pool).chat(MESSAGES, [], SAMPLING))
+    await wait_for(lambda: backend.calls == 1)
+    queued = asyncio.create_task(LLMSession("queued", pool).chat(MESSAGES, [], SAMPLING))
+    await wait_for(lambda: pool.waiting == 1)
+    backend.healthy = False
+    await pool.check_health()
+    with pytest.raises(LLMError, match="health check"):
+        await queued
+    backend.gate.set()
+    await first

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -100,6 +101,35 @@ async def test_python_names_persist_and_errors_show_only_the_agents_frames(sandb
     slow = await sandbox.python("import time\nstate = 1\ntime.sleep(60)", timeout_s=1)
     assert slow.timed_out and slow.is_error and "KeyboardInterrupt" in slow.output
     assert (await sandbox.python("print(state)", timeout_s=10)).output == "1\n"
+
+
+async def test_an_interpreter_the_machine_does_not_run_for_seconds_keeps_its_names_through_an_interrupt(
+    sandbox: Sandbox,
+) -> None:
+    """A busy machine, made certain: the worker is stopped (SIGSTOP) when its call times out and
+    continued 3 s later. It takes the interrupt then, so its names are kept; a fixed grace of
+    1 s used to kill it first ("variables defined so far are lost")."""
+    started = await sandbox.python("import os, time\nstate = 7\nprint(os.getpid())", timeout_s=30)
+    worker = int(started.output)
+    call = asyncio.create_task(sandbox.python("time.sleep(60)", timeout_s=1))
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(3)  # not a timeout: how long the machine "does not run" the worker
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    slow = await call
+    assert slow.timed_out and not slow.state_lost and "KeyboardInterrupt" in slow.output, slow.output
+    again = await sandbox.python("print(state, os.getpid())", timeout_s=30)
+    assert again.output == f"7 {worker}\n"
+
+
+async def test_code_that_swallows_the_interrupt_is_killed_and_says_its_names_are_lost(sandbox: Sandbox) -> None:
+    await sandbox.python("state = 1", timeout_s=30)
+    code = "import time\nwhile True:\n    try:\n        time.sleep(60)\n    except KeyboardInterrupt:\n        pass"
+    stubborn = await sandbox.python(code, timeout_s=1)
+    assert stubborn.timed_out and stubborn.state_lost and "variables defined so far are lost" in stubborn.output
+    fresh = await sandbox.python("print('state' in globals())", timeout_s=30)
+    assert fresh.output == "False\n" and not fresh.is_error
 
 
 async def test_editor_view_create_replace_insert_and_undo(sandbox: Sandbox) -> None:

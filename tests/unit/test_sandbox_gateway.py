@@ -20,6 +20,7 @@ from prorl_server.sandbox.podman.exec_runtime import ExecRuntime
 from prorl_server.sandbox.runtime.relay import GatewayHandle, HttpRequest, HttpResponse
 from prorl_server.sandbox.runtime.socket_gateway import SocketGateway
 from tests.fakes.sandbox_provider import FakeSandboxProvider
+from tests.helpers import assert_eventually
 
 SPEC = SandboxSpec(image="fake-python", cpus=1.0, memory_mib=256, pids_limit=64)
 WAIT_S = 20.0
@@ -253,11 +254,9 @@ s.sendall(b"GET /slow HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
     assert not cancelled["slow"].is_set()
     await inside(sandbox, gateway, "s.close()")  # gone before any answer
     await asyncio.wait_for(cancelled["slow"].wait(), WAIT_S)
-    for _ in range(100):
-        if gateway.in_flight == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert gateway.in_flight == 0
+    await assert_eventually(
+        lambda: gateway.in_flight == 0, timeout_s=WAIT_S, message="a relayed request stayed in flight"
+    )
     await gateway.close()
 
 

@@ -224,6 +224,13 @@ class Timeline:
         elif kind == "model_turn":
             turn = event.model_turn
             latency = _seconds(turn.latency)
+            waited = _seconds(turn.model_wait)
+            if waited:  # before the turn was sent: other jobs' turns held the backend
+                start = at - latency
+                self.spans.append(
+                    {"kind": "wait", "name": f"wait {turn.turn}", "start": round(start - waited, 4),
+                     "end": round(start, 4), "turn": turn.turn}
+                )  # fmt: skip
             self.spans.append(
                 {
                     "kind": "model",

@@ -5,7 +5,8 @@ needed to open the page: the rollouts (status, reward, family; filterable),
 and for each one its conversation (messages, tool calls and results, the
 evaluation's details), its tokens coloured by loss mask and shaded by
 log-prob (hover: id, text, log-prob), the policy version of each turn, and
-its timing as a waterfall. Everything is rendered here as static HTML; the
+its timing as a waterfall (each model turn's wait for a slot on a shared
+backend is a bar of its own before the turn). Everything is rendered here as static HTML; the
 page's small script only filters the list and switches rollouts, so the
 content is there even with scripts off.
 
@@ -127,11 +128,17 @@ def _waterfall(record: dict[str, Any]) -> str:
     spans = list(record.get("timeline") or [])
     if not spans:  # a line from an older runner: the phases one after another, from the timing
         timing, at = record.get("timing") or {}, 0.0
+        starts: dict[str, float] = {}
         for name in ("queue", "init", "run", "eval", "cleanup"):
             length = _seconds(timing.get(name))
             if length:
+                starts[name] = at
                 spans.append({"kind": "phase", "name": name, "start": at, "end": at + length})
                 at += length
+        waited = _seconds(timing.get("modelWait", timing.get("model_wait")))
+        if waited:  # where in the phases is not known: the total, from the start of run
+            start = starts.get("run", starts.get("init", 0.0))
+            spans.append({"kind": "wait", "name": "model wait", "start": start, "end": start + waited})
     if not spans:
         return "<p class='muted'>no timing recorded</p>"
     total = max(float(s["end"]) for s in spans) or 1.0
@@ -147,6 +154,8 @@ def _waterfall(record: dict[str, Any]) -> str:
                 f" · policy v{span.get('policy_version', 0)} · {span.get('completion_tokens', 0)} tokens"
                 f" · {span.get('finish_reason') or '-'}"
             )
+        elif span.get("kind") == "wait":
+            extra = " · waiting for a model slot (other jobs' turns or a pause; not in the budget)"
         elif span.get("kind") == "tool":
             code = span.get("exit_code")
             extra = (" · error" if span.get("error") else "") + (f" · exit {code}" if code is not None else "")
@@ -263,22 +272,30 @@ def _turns(record: dict[str, Any]) -> str:
         turns = [{"turn": i, "policy_version": v} for i, v in enumerate(versions)]
     if not turns:
         return ""
+    waits = {
+        s.get("turn"): float(s["end"]) - float(s["start"])
+        for s in record.get("timeline") or []
+        if s.get("kind") == "wait" and "turn" in s
+    }
     rows = []
     for t in turns:
         latency = f"{float(t['end']) - float(t['start']):.2f}s" if "start" in t else ""
+        waited = f"{waits[t.get('turn')]:.2f}s" if t.get("turn") in waits else ("0.00s" if "start" in t else "")
         cells = (
             t.get("turn", ""),
             f"v{t.get('policy_version', 0)}",
             t.get("backend", ""),
             t.get("prompt_tokens", ""),
             t.get("completion_tokens", ""),
+            waited,
             latency,
             t.get("finish_reason", ""),
         )
         rows.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
     return (
         "<table class='grid turns'><tr><th>turn</th><th>policy</th><th>backend</th><th>prompt tokens</th>"
-        f"<th>completion tokens</th><th>latency</th><th>finish</th></tr>{''.join(rows)}</table>"
+        "<th>completion tokens</th><th title='waiting for a model slot before the turn was sent'>waited</th>"
+        f"<th>latency</th><th>finish</th></tr>{''.join(rows)}</table>"
     )
 
 
@@ -421,6 +438,8 @@ h2 { font-size: 18px; margin: 14px 0 4px; } h3 { font-size: 13px; margin: 18px 0
   white-space: nowrap; padding-left: 3px; }
 .wf-phase { background: #64748b; } .wf-queue { background: #cbd5e1; color: #334155; }
 .wf-cleanup { background: #94a3b8; } .wf-model { background: #7c3aed; } .wf-tool { background: #ea580c; }
+.wf-wait { background: repeating-linear-gradient(45deg, #ddd6fe, #ddd6fe 4px, #ede9fe 4px, #ede9fe 8px);
+  color: #4c1d95; }
 .wf-axis { position: relative; margin-left: 110px; height: 16px; color: var(--muted); font-size: 10px; }
 .wf-axis span { position: absolute; transform: translateX(-50%); }
 .panes { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 18px; }

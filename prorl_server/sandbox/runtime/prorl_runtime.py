@@ -52,6 +52,15 @@ DEFAULT_CAP = 64 * 1024
 INTERRUPT_GRACE_S = 1.0
 BASH_START_S = 120.0
 """How long a new bash has to read its set-up line (seconds on a loaded machine)."""
+PYTHON_ACK_S = 10.0
+"""How long the Python worker has to take a timed-out call's interrupt (its handler says so
+on a pipe) before it is killed and its names are lost: on a busy machine the worker may not
+run for seconds, and killing it loses the agent's state. The whole wait stays below the
+server's grace for a call (socket_runtime.CALL_GRACE_S, 15 s), so code that ignores the
+interrupt is killed as the policy's timeout, never taken for a lost runtime."""
+PYTHON_UNWIND_S = 3.0
+"""Once the worker has taken the interrupt: how long its code has to unwind and reply (code
+that swallows KeyboardInterrupt is killed after this, within PYTHON_ACK_S in all)."""
 
 
 # --- framing -----------------------------------------------------------------
@@ -364,21 +373,40 @@ def _kill_session(session_id):
 # --- stateful Python -----------------------------------------------------------------
 
 
-def python_worker(fd_in, fd_out):
+def python_worker(fd_in, fd_out, fd_ack=None):
     """Child process: executes code in one persistent namespace.
 
     stdout and stderr (fds 1 and 2, so child processes too) go to a file per
-    call, read back by the parent.
+    call, read back by the parent. A SIGINT is written back on `fd_ack` (so
+    that the parent knows the interpreter took it, however busy the machine)
+    and interrupts the call it was sent for: each request says how many
+    interrupts the parent had sent before it, so one meant for an earlier
+    call that arrives late is only acknowledged, and one that arrives before
+    the code starts stops it from starting.
     """
     namespace = {"__name__": "__main__"}
     control_in = os.fdopen(fd_in, "rb", buffering=0)
     control_out = os.fdopen(fd_out, "wb", buffering=0)
+    state = {"seen": 0, "before": 0, "executing": False}
+
+    def on_interrupt(signum, frame):
+        state["seen"] += 1
+        if fd_ack is not None:
+            try:
+                os.write(fd_ack, b"!")
+            except OSError:
+                pass
+        if state["executing"] and state["seen"] > state["before"]:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
     while True:
         header = control_in.read(HEADER.size)
         if not header or len(header) < HEADER.size:
             return
         (size,) = HEADER.unpack(header)
         request = json.loads(control_in.read(size).decode("utf-8"))
+        state["before"] = int(request.get("interrupts", 0))
         is_error = False
         with open(request["output"], "wb") as sink:
             sys.stdout.flush()
@@ -388,12 +416,17 @@ def python_worker(fd_in, fd_out):
             os.dup2(sink.fileno(), 2)
             try:
                 code = compile(request["code"], "<agent>", "exec")
+                state["executing"] = True
+                if state["seen"] > state["before"]:
+                    raise KeyboardInterrupt  # interrupted before it started
                 exec(code, namespace)
             except BaseException as exc:  # noqa: BLE001 - the agent's exception is its output
+                state["executing"] = False
                 is_error = True
                 # Show the agent's frames only, not this worker's.
                 traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
             finally:
+                state["executing"] = False
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os.dup2(saved[0], 1)
@@ -413,20 +446,25 @@ class PythonSession:
     def _start(self):
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
+        acks_r, acks_w = os.pipe()
         self.process = subprocess.Popen(
             [
                 sys.executable, "-u", os.path.abspath(__file__), "python-worker",
-                "--fd-in", str(to_child_r), "--fd-out", str(from_child_w),
+                "--fd-in", str(to_child_r), "--fd-out", str(from_child_w), "--fd-ack", str(acks_w),
             ],
-            pass_fds=(to_child_r, from_child_w),
+            pass_fds=(to_child_r, from_child_w, acks_w),
             stdin=subprocess.DEVNULL,
             cwd=self.workdir if os.path.isdir(self.workdir) else None,
             start_new_session=True,
         )  # fmt: skip
         os.close(to_child_r)
         os.close(from_child_w)
+        os.close(acks_w)
+        os.set_blocking(acks_r, False)
         self.to_child = to_child_w
         self.from_child = from_child_r
+        self.acks = acks_r
+        self.interrupts = 0
 
     def _kill(self):
         if self.process is not None:
@@ -437,17 +475,38 @@ class PythonSession:
             self.process.wait()
             os.close(self.to_child)
             os.close(self.from_child)
+            os.close(self.acks)
         self.process = None
 
-    def _await_reply(self, timeout):
+    def _drain_acks(self):
+        """Acknowledgements left from earlier interrupts; True if there were any."""
+        taken = False
+        while True:
+            try:
+                chunk = os.read(self.acks, 4096)
+            except (BlockingIOError, InterruptedError):
+                return taken
+            if not chunk:
+                return taken
+            taken = True
+
+    def _await_reply(self, timeout, unwind=None):
+        """The worker's reply within `timeout` (None: none came). With `unwind`: once the
+        worker acknowledges the interrupt, it has `unwind` more seconds at most."""
         deadline = time.monotonic() + timeout
         data = b""
+        watched = [self.from_child] if unwind is None else [self.from_child, self.acks]
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            ready, _, _ = select.select([self.from_child], [], [], remaining)
+            ready, _, _ = select.select(watched, [], [], remaining)
             if not ready:
+                continue
+            if self.acks in ready:
+                self._drain_acks()
+                watched = [self.from_child]
+                deadline = min(deadline, time.monotonic() + unwind)
                 continue
             chunk = os.read(self.from_child, 65536)
             if not chunk:
@@ -464,15 +523,17 @@ class PythonSession:
                 self._start()
             started = time.monotonic()
             output_path = os.path.join(self.scratch, "out")
-            body = json.dumps({"code": code, "output": output_path}).encode("utf-8")
+            body = json.dumps({"code": code, "output": output_path, "interrupts": self.interrupts}).encode("utf-8")
             os.write(self.to_child, HEADER.pack(len(body)) + body)
             timed_out = lost = False
             try:
                 reply = self._await_reply(timeout)
                 if reply is None:
                     timed_out = True
+                    self._drain_acks()
+                    self.interrupts += 1
                     os.killpg(self.process.pid, signal.SIGINT)
-                    reply = self._await_reply(INTERRUPT_GRACE_S)
+                    reply = self._await_reply(PYTHON_ACK_S, unwind=PYTHON_UNWIND_S)
                     if reply is None:
                         self._kill()
                         lost = True
@@ -492,7 +553,12 @@ class PythonSession:
             text = buffer.text()
             if timed_out:
                 text += "\n[execution timed out after %gs and was interrupted]" % timeout
-            if lost:
+            if lost and timed_out:
+                text += (
+                    "\n[the Python process did not stop within %gs of the interrupt and was killed; "
+                    "variables defined so far are lost]" % PYTHON_ACK_S
+                )
+            elif lost:
                 text += "\n[the Python process was killed; variables defined so far are lost]"
             return {
                 "output": text,
@@ -1641,9 +1707,10 @@ def main(argv=None):
     worker_parser = commands.add_parser("python-worker")
     worker_parser.add_argument("--fd-in", type=int, required=True)
     worker_parser.add_argument("--fd-out", type=int, required=True)
+    worker_parser.add_argument("--fd-ack", type=int, default=None)
     args = parser.parse_args(argv)
     if args.command == "python-worker":
-        python_worker(args.fd_in, args.fd_out)
+        python_worker(args.fd_in, args.fd_out, args.fd_ack)
     elif args.command == "serve":
         make_non_dumpable()
         (serve_as_init if args.init else serve)(args.socket, args.workdir)

@@ -252,7 +252,7 @@ class TurnSpan(_message.Message):
     def __init__(self, turn: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., policy_version: _Optional[int] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., resampled: _Optional[bool] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue", "init", "run", "eval", "llm", "tools", "sandbox_acquire", "total", "cleanup")
+    __slots__ = ("queue", "init", "run", "eval", "llm", "tools", "sandbox_acquire", "total", "cleanup", "model_wait")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,7 @@ class Timing(_message.Message):
     SANDBOX_ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     CLEANUP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_WAIT_FIELD_NUMBER: _ClassVar[int]
     queue: _duration_pb2.Duration
     init: _duration_pb2.Duration
     run: _duration_pb2.Duration
@@ -271,7 +272,8 @@ class Timing(_message.Message):
     sandbox_acquire: _duration_pb2.Duration
     total: _duration_pb2.Duration
     cleanup: _duration_pb2.Duration
-    def __init__(self, queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., init: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., run: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., eval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., llm: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tools: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., sandbox_acquire: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., total: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., cleanup: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    model_wait: _duration_pb2.Duration
+    def __init__(self, queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., init: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., run: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., eval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., llm: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tools: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., sandbox_acquire: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., total: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., cleanup: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class RolloutResult(_message.Message):
     __slots__ = ("job_id", "status", "failure", "reward", "trajectory", "timing", "details")
@@ -363,12 +365,14 @@ class GatewayOpened(_message.Message):
     def __init__(self, path: _Optional[str] = ..., api_key: _Optional[str] = ..., port: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
 
 class JobQueued(_message.Message):
-    __slots__ = ("queue_position", "attempt")
+    __slots__ = ("queue_position", "attempt", "handed_back")
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
     queue_position: int
     attempt: int
-    def __init__(self, queue_position: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+    handed_back: bool
+    def __init__(self, queue_position: _Optional[int] = ..., attempt: _Optional[int] = ..., handed_back: _Optional[bool] = ...) -> None: ...
 
 class PhaseStarted(_message.Message):
     __slots__ = ("phase", "queue_wait")
@@ -379,7 +383,7 @@ class PhaseStarted(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., queue_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ModelTurn(_message.Message):
-    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version", "switched_from_backend", "prefill", "decode", "logprobs_mode", "token_offset", "resampled")
+    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version", "switched_from_backend", "prefill", "decode", "logprobs_mode", "token_offset", "resampled", "model_wait")
     TURN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +400,7 @@ class ModelTurn(_message.Message):
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RESAMPLED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_WAIT_FIELD_NUMBER: _ClassVar[int]
     turn: int
     prompt_token_count: int
     completion_token_count: int
@@ -412,7 +417,8 @@ class ModelTurn(_message.Message):
     logprobs_mode: LogprobsMode
     token_offset: int
     resampled: bool
-    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ..., switched_from_backend: _Optional[str] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., token_offset: _Optional[int] = ..., resampled: _Optional[bool] = ...) -> None: ...
+    model_wait: _duration_pb2.Duration
+    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ..., switched_from_backend: _Optional[str] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., token_offset: _Optional[int] = ..., resampled: _Optional[bool] = ..., model_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("turn", "call")
