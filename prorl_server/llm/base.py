@@ -150,7 +150,7 @@ class LLMBackend(abc.ABC):
             "update it yourself between Pause and Resume (docs/training.md)"
         )
 
-    async def set_weights_version(self, policy_version: int) -> None:
+    async def set_weights_version(self, policy_version: int) -> None:  # noqa: B027 - most backends keep no version
         """Told the version of the weights it loaded last (vLLM records it as its weight version)."""
 
 
