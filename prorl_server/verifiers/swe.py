@@ -11,8 +11,9 @@ steps in the sandbox, following SWE-bench's harness with the holes closed:
    pyproject.toml, sitecustomize and usercustomize in any form, *.pth,
    *.egg, *.dist-info/ and *.egg-info/ with their entry points, __pycache__
    and *.pyc, .gitattributes), among the test files (those the test patch
-   touches, those holding the selected tests, the __init__.py of their test
-   folders) and whatever stands where one of those must go (a directory at a
+   touches, those holding the selected tests, every file under a tests/
+   folder, the __init__.py of their test folders) and whatever stands where
+   one of those must go (a directory at a
    test file's path) to the base commit; new ones are deleted. What was
    reverted is listed in the details (`reverted`);
 3. apply the test patch (if it applies at the base commit but not now, the

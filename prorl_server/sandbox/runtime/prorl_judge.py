@@ -36,8 +36,10 @@ Modes
 - stdio: runs the program once per input; its stdout (its own pipe), exit
   status (from waitpid) and timing go back to the server, which compares.
 - swe: applies the model's patch to the repository, restores test
-  infrastructure the patch touched (see is_test_infrastructure) and the test
-  files, applies the test patch, and runs pytest in a child (mode `pytest`)
+  infrastructure the patch touched (see is_test_infrastructure, any case),
+  the test files and whatever stands where they must go, applies the test
+  patch (telling apart one the model's patch blocks from one that does not
+  apply at the base commit either), and runs pytest in a child (mode `pytest`)
   with a reporter plugin that sends each test's outcome over a pipe to this
   process. For a Django or SymPy instance it runs the official command
   instead (modes `django`, `sympy`, below "Django's and SymPy's runners"),
@@ -66,7 +68,23 @@ to deliberate in-process tampering with this file's internals:
   with the reports and with the runner's real exit status;
 - pytest's reporting machinery (and the reporter) is fingerprinted before any
   conftest.py or test is imported and compared at every report; between the
-  two only pytest's own replacements of its functions are accepted.
+  two only pytest's own replacements of its functions (and installed
+  plugins') are accepted;
+- plugins and hooks: `register` checks who calls it (the first frame below
+  pytest, pluggy and the standard library must be this runner, installed
+  code, or a file the harness put in place: a conftest.py, a test file), and
+  every hook implementation is compared at each report with the ones
+  registration gave (added, replaced: `tampered`); so are trace functions
+  (`sys.settrace` from the code under test could jump over asserts) and the
+  report function itself (it sends only for this runner's own code);
+- test modules: pytest's rewriter must read the bytes the harness put in
+  place (their digests come on the runner's stdin after the key; no cached
+  .pyc is read: `sys.pycache_prefix` is a fresh folder), and each collected
+  test's function must be one its test file defines, checked again before it
+  runs;
+- after the run the harness compares every test file and piece of test
+  infrastructure with what it put in place (rewritten, deleted or new: an
+  anomaly, whatever the runner says).
 """
 
 import base64
@@ -891,7 +909,9 @@ def _judge_swe(spec, workdir):
     test_patch = str(spec.get("test_patch", ""))
     protected_files = set(test_file_of(test) for test in tests)
     protected_files.update(str(path) for path in spec.get("infrastructure") or [])
-    test_dirs = bool(spec.get("protect_test_dirs"))
+    # Every file under a tests/ folder is the tests' (helpers a test module imports
+    # included): a fix has no business there. Off only when the spec says so.
+    test_dirs = spec.get("protect_test_dirs", True) is not False
     test_patch_file = None
     if test_patch.strip():
         test_patch_file = os.path.join(workdir, "test.patch")
@@ -906,7 +926,7 @@ def _judge_swe(spec, workdir):
 
     def protected(path):
         if test_dirs and "tests" in path.split("/")[:-1]:
-            return True  # the runner's test packages (Django's tests/, SymPy's */tests/)
+            return True  # test packages (Django's tests/, SymPy's */tests/, a pytest suite's helpers)
         if path in protected_files or is_test_infrastructure(path):
             return True
         # Whatever stands where a protected file must go: a directory at a test file's
