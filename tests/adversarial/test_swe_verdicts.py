@@ -79,7 +79,6 @@ except Exception:
 """
 
 
-
 def hedge(outcome: str) -> str:
     """Make every function and method of the package end its test with pytest.xfail()
     or pytest.skip() (`outcome`): not fixed, but not failed either."""
@@ -310,7 +309,7 @@ CHANGE_CWD = "import os as _os\n_os.chdir('/tmp')\n"
 ALARM_EXIT = """
 import os as _os, signal as _signal
 _signal.signal(_signal.SIGALRM, lambda *_a: _os._exit(0))
-_signal.setitimer(_signal.ITIMER_REAL, 0.05)
+_signal.setitimer(_signal.ITIMER_REAL, 0.001)
 """
 THREAD_KILLS_HARNESS = """
 import os as _os, signal as _signal, threading as _threading, time as _time
@@ -606,7 +605,8 @@ ADDED_FOLDER = "tests/prorl_added"
 def new_file_diff(path: str, text: str) -> str:
     lines = text.splitlines()
     body = "".join(f"+{line}\n" for line in lines)
-    return f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n@@ -0,0 +1,{len(lines)} @@\n{body}"
+    header = f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
+    return f"{header}@@ -0,0 +1,{len(lines)} @@\n{body}"
 
 
 def adding_files(task: dict[str, Any]) -> dict[str, Any]:
@@ -686,7 +686,6 @@ async def results(request: pytest.FixtureRequest, podman_url: str) -> AsyncItera
             scripts[job_id] = [*calls, finish_call()]
     async with live_server(podman_url) as run_all:
         yield await run_all(requests, scripts)
-
 
 
 def details_of(result: v1.RolloutResult) -> dict[str, Any]:

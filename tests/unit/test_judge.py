@@ -358,7 +358,11 @@ def git_repo(path: Path, files: dict[str, str]) -> str:
     for name, text in files.items():
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_text(text)
-    for command in (["init", "-q"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base"]):
+    for command in (
+        ["init", "-q"],
+        ["add", "-A"],
+        ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base"],
+    ):
         subprocess.run(["git", *command], cwd=path, check=True, env=judge.git_env())
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True).stdout.strip()
 
@@ -400,5 +404,10 @@ def test_the_run_may_not_change_the_tests_files(tmp_path: Path) -> None:
     (repo / "tests" / "conftest.py").write_text("")
     (repo / "Evil.PTH").write_text("")
     [changed] = judge.files_changed(str(repo), protected, before)
-    for item in ("tests/test_a.py (rewritten)", "tests/test_c.py (deleted)", "tests/conftest.py (new)", "Evil.PTH (new)"):
+    for item in (
+        "tests/test_a.py (rewritten)",
+        "tests/test_c.py (deleted)",
+        "tests/conftest.py (new)",
+        "Evil.PTH (new)",
+    ):
         assert item in changed, changed
