@@ -956,7 +956,7 @@ def _judge_swe(spec, workdir):
     if spec.get("runner", "pytest") == "pytest":
         verdict.update(ok=True, **run_pytest(repo, spec, tests, workdir, before))
     else:
-        verdict.update(ok=True, **run_runner(repo, spec, workdir))
+        verdict.update(ok=True, **run_runner(repo, spec, workdir, before))
     verdict["anomalies"] = list(verdict.get("anomalies") or []) + files_changed(repo, protected, before)
     return verdict
 
@@ -1317,15 +1317,15 @@ class _Provenance(object):
     def __init__(self, repo, trusted):
         import sysconfig
 
-        import _pytest
-        import pluggy
-
         self.repo = os.path.realpath(repo).rstrip("/") + "/"
         self.trusted = set(os.path.realpath(os.path.join(repo, path)) for path in trusted)
         self.own = os.path.realpath(os.path.abspath(__file__))
-        self.machinery = tuple(
-            os.path.dirname(os.path.realpath(module.__file__)) + "/" for module in (_pytest, pluggy)
-        ) + (os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(_pytest.__file__))), "pytest") + "/",)
+        machinery = []
+        for name in ("_pytest", "pluggy", "pytest"):
+            module = sys.modules.get(name)
+            if getattr(module, "__file__", None):
+                machinery.append(os.path.dirname(os.path.realpath(module.__file__)) + "/")
+        self.machinery = tuple(machinery)
         stdlib = sysconfig.get_paths().get("stdlib") or os.path.dirname(os.__file__)
         self.stdlib = os.path.realpath(stdlib).rstrip("/") + "/"
         self.cache = {}
@@ -1374,6 +1374,36 @@ class _Provenance(object):
         return "a stack with no caller of the runner's (another thread)"
 
 
+def guard_tracing(provenance, report):
+    """Replace sys.settrace and threading.settrace with versions that `report` a trace
+    function set by the code under test (a trace function can jump over a test's
+    asserts). Returns the guards, to check they stay in place."""
+    import threading
+
+    getframe = sys._getframe
+
+    def guarded(original, what):
+        def settrace(function):
+            if function is not None:
+                culprit = provenance.initiator(getframe(1))
+                if culprit is not None:
+                    report("%s by the code under test (%s)" % (what, culprit))
+            return original(function)
+
+        settrace.__name__ = settrace.__qualname__ = original.__name__
+        return settrace
+
+    sys.settrace = guarded(sys.settrace, "a trace function set")
+    threading.settrace = guarded(threading.settrace, "a trace function set for threads")
+    return sys.settrace, threading.settrace
+
+
+def tracing_guarded(guards):
+    import threading
+
+    return sys.settrace is guards[0] and threading.settrace is guards[1]
+
+
 def _hook_callers(manager):
     """{hook name: caller} of a pluggy plugin manager."""
     return dict((name, caller) for name, caller in list(vars(manager.hook).items()) if hasattr(caller, "get_hookimpls"))
@@ -1406,8 +1436,6 @@ def pytest_runner(report_fd, paths, args, pycache=""):
         # harness's: no .pyc planted in the repository stands in for a test module.
         sys.pycache_prefix = pycache
     _preload()
-    import threading
-
     import _pytest.assertion.rewrite as rewrite
     import _pytest.config
     import pytest
@@ -1489,21 +1517,7 @@ def pytest_runner(report_fd, paths, args, pycache=""):
 
     # Tracing can jump over a test's lines (its asserts): only for code outside the
     # code under test.
-    original_settrace, original_thread_settrace = sys.settrace, threading.settrace
-
-    def guarded(original, what):
-        def settrace(function):
-            if function is not None:
-                culprit = provenance.initiator(getframe(1))
-                if culprit is not None:
-                    tampered("%s by the code under test (%s)" % (what, culprit))
-            return original(function)
-
-        settrace.__name__ = settrace.__qualname__ = original.__name__
-        return settrace
-
-    sys.settrace = guarded(original_settrace, "a trace function set")
-    threading.settrace = guarded(original_thread_settrace, "a trace function set for threads")
+    guards = guard_tracing(provenance, tampered)
 
     def check_hooks():
         manager = state["manager"]
@@ -1621,11 +1635,10 @@ def pytest_runner(report_fd, paths, args, pycache=""):
         if changed and tuple(changed) not in reported:
             reported.add(tuple(changed))
             send({"kind": "tampered", "names": changed[:50]})
-        if sys.settrace is not settrace_guard or threading.settrace is not thread_guard:
+        if not tracing_guarded(guards):
             tampered("the runner's guard on trace functions removed")
         check_hooks()
 
-    settrace_guard, thread_guard = sys.settrace, threading.settrace
     sys.path[0:0] = [repo] + list(paths)  # what `python -m pytest` with PYTHONPATH would see
     sys.argv = [os.path.join(os.path.dirname(pytest.__file__), "__main__.py")] + list(args)
     code = int(pytest.main(["-rA", "-p", "no:cacheprovider"] + list(args), plugins=[Reporter()]))
@@ -1696,15 +1709,16 @@ def runner_python(env):
     return found or sys.executable
 
 
-def run_runner(repo, spec, workdir):
-    """Run the official command of a Django or SymPy instance; outcomes from the report pipe."""
+def run_runner(repo, spec, workdir, digests):
+    """Run the official command of a Django or SymPy instance; outcomes from the report pipe
+    (`digests`: the protected files, which the runner may trust)."""
     args = [str(arg) for arg in spec.get("test_args") or []]
     env = activated_env(spec)
     env["PYTHONHASHSEED"] = str(int.from_bytes(os.urandom(4), "big"))  # random, as the official run
     started = time.monotonic()
     key, frames, problem, timed_out, code, log, truncated = run_child(
         [runner_python(env), "-s", "-B", "-u"], str(spec["runner"]), [], args, repo, env, workdir,
-        float(spec["timeout_s"]),
+        float(spec["timeout_s"]), briefing={"digests": digests},
     )  # fmt: skip
     outcome = aggregate_results(frames, key)
     if problem:
@@ -1811,6 +1825,10 @@ class _Channel(object):
     def __init__(self, report_fd):
         os.set_inheritable(report_fd, False)
         key = sys.stdin.readline().strip()
+        try:
+            self.briefing = json.loads(sys.stdin.readline() or "{}")
+        except ValueError:
+            self.briefing = {}
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -1825,6 +1843,14 @@ class _Channel(object):
 
         self.send = send
         self.fd = report_fd
+        sent = set()
+
+        def tampered(text):
+            if text not in sent:
+                sent.add(text)
+                send({"kind": "tampered", "names": [text[:500]]})
+
+        self.tampered = tampered
 
 
 def _finish(channel, code):
@@ -1936,12 +1962,15 @@ def django_runner(report_fd, args):
     modules = [sys.modules[name] for name in _UNITTEST_MODULES if name in sys.modules]
     baseline = _identity_fingerprint([], modules)
     reported = set()
+    guards = guard_tracing(_Provenance(os.getcwd(), channel.briefing.get("digests") or {}), channel.tampered)
 
     def check():
         changed = _changed(baseline, _identity_fingerprint([], modules))
         if changed and tuple(changed) not in reported:
             reported.add(tuple(changed))
             send({"kind": "tampered", "names": changed[:50]})
+        if not tracing_guarded(guards):
+            channel.tampered("the runner's guard on trace functions removed")
 
     send({"kind": "started"})
     script = os.path.join(os.getcwd(), "tests", "runtests.py")
@@ -2065,8 +2094,11 @@ def sympy_runner(report_fd, args):
         setattr(reporter, method, reporting)
 
     reported = set()
+    guards = guard_tracing(_Provenance(repo, channel.briefing.get("digests") or {}), channel.tampered)
 
     def check():
+        if not tracing_guarded(guards):
+            channel.tampered("the runner's guard on trace functions removed")
         if state["baseline"] is None:
             return
         changed = _changed(state["baseline"], _identity_fingerprint(state["classes"], []))
