@@ -1774,9 +1774,7 @@ def aggregate_results(frames, key):
         elif kind == "foreign":
             anomalies.append("a test outcome reported from outside the test runner: %s" % str(frame.get("what"))[:300])
         elif kind == "tampered":
-            anomalies.append(
-                "the test runner's reporting code changed during the run: %s" % str(frame.get("names"))[:500]
-            )
+            anomalies.append("the test run was tampered with: %s" % str(frame.get("names"))[:500])
         elif kind == "exit" and exit_code is None:
             exit_code = frame.get("code")
         elif kind != "started":
