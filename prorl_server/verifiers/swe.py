@@ -302,9 +302,11 @@ def _graded(
     found = SWEVerdict(
         False, "unresolved", f2p, p2p, printed[-LOG_TAIL_CHARS:] or tail, reverted=reverted, test_log=log
     )
-    if outcome.get("timed_out") is True:
-        return replace(found, verdict="tests_timed_out")
     anomalies = [*_strings(outcome.get("anomalies")), *forged]
+    if outcome.get("timed_out") is True:
+        if anomalies:  # caught tampering before the time ran out (a trace function slows everything down)
+            return replace(found, verdict="tampered", reason="the test run was tampered with", anomalies=anomalies)
+        return replace(found, verdict="tests_timed_out")
     if outcome.get("complete") is not True:
         command = "pytest" if runs_pytest else "the test command"
         reason = (
