@@ -221,3 +221,12 @@ async def test_a_test_patch_the_models_patch_blocks_is_the_policys_failure() -> 
     with pytest.raises(InfrastructureError, match="does not apply") as caught:
         await judged({"stage": "test_patch", "ok": False, "output": "error", "applies_at_base": False})
     assert caught.value.reason == "swe_test_patch"  # the task's own fault
+
+
+def test_tampering_caught_before_the_time_ran_out_is_tampering() -> None:
+    """A trace function slows every test down: the run is caught, then times out."""
+    fixed = "t.py::test_fixed"
+    outcome = {**pytest_outcome({fixed: "PASSED"}), "complete": False, "timed_out": True}
+    assert _graded(outcome, None, True, [fixed], [], "", {}).verdict == "tests_timed_out"
+    caught = {**outcome, "anomalies": ["the test run was tampered with: ['a trace function set by ...']"]}
+    assert _graded(caught, None, True, [fixed], [], "", {}).verdict == "tampered"
