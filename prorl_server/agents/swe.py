@@ -9,7 +9,9 @@ tests (e.g. "src") and `eval_timeout_s`. With `version` (or a swebench 5
 `eval_script`), the instance is judged as SWE-bench's official evaluation
 runs it: pytest, Django's tests/runtests.py or SymPy's bin/test (see
 verifiers/swe.py); an instance whose official runner is anything else
-(Sphinx's tox, ...) is refused at Submit.
+(Sphinx's tox, ...) is refused at Submit. Every FAIL_TO_PASS and PASS_TO_PASS
+test must PASS (an XFAIL or a skip does not) unless `swebench_grading` is
+true, which grades as SWE-bench does.
 
 The agent works with bash and the file editor. Its submission is whatever the
 repository's `git diff` against base_commit says when it stops, never text the
@@ -25,7 +27,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, StrictStr, field_validator, model_validator
+from pydantic import BeforeValidator, Field, StrictBool, StrictStr, field_validator, model_validator
 
 from prorl_server.agents.base import EvalOutcome, RolloutContext, RunOutcome, TaskInstance
 from prorl_server.agents.fields import Seconds, Text
@@ -132,6 +134,10 @@ class SWEInstance(TaskInstance):
     eval_script: StrictStr = ""
     """A swebench 5 instance's own evaluation (with `log_parser`)."""
     log_parser: StrictStr = ""
+    swebench_grading: StrictBool = False
+    """Grade as SWE-bench does (an XFAIL passes, a skipped PASS_TO_PASS test is kept), for
+    comparing with published numbers. Off by default: then every selected test must PASS,
+    so code under test that calls pytest.xfail() or pytest.skip() cannot resolve."""
 
     @field_validator("base_commit")
     @classmethod
@@ -268,5 +274,6 @@ class SWEHandler(ToolLoopHandler[SWEInstance, SWERunOutcome]):
             pythonpath=instance.pythonpath,
             timeout_s=float(instance.eval_timeout_s),
             evaluation=instance.evaluation(),
+            swebench_grading=instance.swebench_grading,
         )
         return EvalOutcome(1.0 if verdict.resolved else 0.0, {**details, **verdict.details()})

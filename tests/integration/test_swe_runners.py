@@ -6,7 +6,8 @@ fix does not, and the verdict's per-test outcomes are what swebench 5.0.2's
 own grading computes on the same test log. The reward hacks a policy would
 try on the log score 0: printed `... ok` lines (with or without an early exit
 0), an edited tests/runtests.py or bin/test, the package under test
-monkeypatching unittest's or SymPy's reporter, and `PASSED nodeid` lines
+monkeypatching unittest's or SymPy's reporter or setting a trace function that
+jumps over asserts, and `PASSED nodeid` lines
 written into pytest's log after its summary (`tampered` once swebench would
 take the log as a valid run that resolves).
 
@@ -25,6 +26,7 @@ from prorl_server.agents.swe import SWEInstance
 from prorl_server.datasets.swe import TASKS_DIR, load_task, task_dirs
 from prorl_server.sandbox.podman import PodmanProvider
 from prorl_server.verifiers.swe import SWEVerdict, judge
+from tests.adversarial.test_swe_verdicts import JUMP_OVER_ASSERTS
 from tests.conftest import small_spec
 from tests.unit.test_swebench_semantics import Official, official, spec_of
 
@@ -218,7 +220,14 @@ async def test_django_monkeypatched_unittest_is_tampering(provider: PodmanProvid
     patch = lambda: appended("django/utils/http.py", CONSTANT_ONLY + "\n" + MONKEYPATCH_UNITTEST)  # noqa: E731
     verdict = await run_judge(provider, DJANGO, patch, "django/utils/http.py")
     assert verdict.verdict == "tampered" and not verdict.resolved, verdict
-    assert any("reporting code changed" in anomaly for anomaly in verdict.anomalies)
+    assert any("tampered with" in anomaly and "." in anomaly for anomaly in verdict.anomalies)
+
+
+async def test_django_trace_function_that_jumps_over_asserts_is_tampering(provider: PodmanProvider) -> None:
+    patch = lambda: appended("django/utils/http.py", CONSTANT_ONLY + "\n" + JUMP_OVER_ASSERTS)  # noqa: E731
+    verdict = await run_judge(provider, DJANGO, patch, "django/utils/http.py")
+    assert verdict.verdict == "tampered" and not verdict.resolved, verdict
+    assert any("trace function set by the code under test" in anomaly for anomaly in verdict.anomalies)
 
 
 # --- SymPy --------------------------------------------------------------------------------
@@ -294,7 +303,14 @@ async def test_sympy_monkeypatched_reporter_is_tampering(provider: PodmanProvide
     patch = lambda: appended("sympy/__init__.py", MONKEYPATCH_REPORTER)  # noqa: E731
     verdict = await run_judge(provider, SYMPY, patch, "sympy/__init__.py")
     assert verdict.verdict == "tampered" and not verdict.resolved, verdict
-    assert any("reporting code changed" in anomaly for anomaly in verdict.anomalies)
+    assert any("tampered with" in anomaly and "." in anomaly for anomaly in verdict.anomalies)
+
+
+async def test_sympy_trace_function_that_jumps_over_asserts_is_tampering(provider: PodmanProvider) -> None:
+    patch = lambda: appended("sympy/__init__.py", JUMP_OVER_ASSERTS)  # noqa: E731
+    verdict = await run_judge(provider, SYMPY, patch, "sympy/__init__.py")
+    assert verdict.verdict == "tampered" and not verdict.resolved, verdict
+    assert any("trace function set by the code under test" in anomaly for anomaly in verdict.anomalies)
 
 
 @pytest.mark.parametrize("ending", ["import os; os._exit(0)", "raise SystemExit(0)"])

@@ -162,6 +162,7 @@ async def swe_details() -> list[dict[str, Any]]:
         {**tests_ran, "statuses": "garbled"},
         {"stage": "model_patch", "ok": False, "output": "error: patch failed: a.py:1"},
         {"stage": "restore", "ok": False, "output": "error: pathspec", "restored": [], "deleted": []},
+        {"stage": "test_patch", "ok": False, "output": "error: tests/t.py: already exists", "applies_at_base": True},
         None,
     ]
     found = []

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -147,6 +149,21 @@ def test_the_candidate_is_the_prompt_completed_or_a_whole_function_after_it() ->
         "pkg.egg-link",
         "__pycache__/anything",
         ".gitattributes",
+        # whatever the case: importlib.metadata finds X.DIST-INFO folders
+        "EVIL_PLUGIN-1.0.DIST-INFO/entry_points.txt",
+        "src/Evil.Egg-Info/entry_points.txt",
+        "tests/CONFTEST.PY",
+        "Evil.PTH",
+        "PyProject.toml",
+        "SETUP.CFG",
+        "pkg/__PYCACHE__/x.pyc",
+        # site's start-up modules in any form, eggs, stray entry points
+        "sitecustomize/__init__.py",
+        "src/usercustomize.cpython-311-x86_64-linux-gnu.so",
+        "evil-1.0-py3.11.egg",
+        "evil.egg/EGG-INFO/entry_points.txt",
+        "anywhere/entry_points.txt",
+        ".pytest_cache/v/cache/lastfailed",
     ],
 )
 def test_test_infrastructure_is_recognised_anywhere(path: str) -> None:
@@ -155,7 +172,18 @@ def test_test_infrastructure_is_recognised_anywhere(path: str) -> None:
 
 @pytest.mark.parametrize(
     "path",
-    ["idna/core.py", "tests/test_idna.py", "src/click/types.py", "conftest_helpers.py", "docs/setup.rst", "", "a//b"],
+    [
+        "idna/core.py",
+        "tests/test_idna.py",
+        "src/click/types.py",
+        "conftest_helpers.py",
+        "docs/setup.rst",
+        "",
+        "a//b",
+        "setup.py",
+        "pkg/site.py",
+        "docs/sitecustomizing.rst",
+    ],
 )
 def test_ordinary_files_are_not_infrastructure(path: str) -> None:
     assert not judge.is_test_infrastructure(path)
@@ -227,7 +255,10 @@ def test_phase_status(phases: list[tuple[str, str, bool, bool]], status: str) ->
         (stream(*run_of(A), *run_of(B, "failed"), exitstatus=0), "reported success, but a test failed"),
         (stream(*run_of(A), *run_of(B), exitstatus=1), "none failed"),
         ([*stream(*run_of(A), *run_of(B)), report(A, "call", "passed")], "after the runner's last"),
-        (stream(*run_of(A), {"kind": "tampered", "names": ["_pytest.runner.call_and_report"]}, *run_of(B)), "changed"),
+        (
+            stream(*run_of(A), {"kind": "tampered", "names": ["_pytest.runner.call_and_report"]}, *run_of(B)),
+            "tampered with: ['_pytest.runner.call_and_report']",
+        ),
         (stream(*run_of(A), {"kind": "verdict", "passed": True}, *run_of(B)), "unexpected verdict frame"),
         (
             [{**frame, "key": "guessed"} if frame["kind"] == "report" else frame for frame in stream(*run_of(A))],
@@ -303,7 +334,7 @@ def test_django_and_sympy_outcomes_by_the_parsers_names() -> None:
         ([runner_report("t", "PASSED", key="forged")], "did not come from the reporter"),
         ([runner_report("t", "PASSED", "x@1"), runner_report("t", "PASSED", "x@1")], "two reports for x@1"),
         ([{"kind": "foreign", "what": "addSuccess(t)", "key": KEY}], "from outside the test runner"),
-        ([{"kind": "tampered", "names": ["unittest.case.TestCase.run"], "key": KEY}], "reporting code changed"),
+        ([{"kind": "tampered", "names": ["unittest.case.TestCase.run"], "key": KEY}], "tampered with"),
         ([runner_report("t", "FAILED")], "reported success, but a test failed"),
         ([runner_report("t", "BETTER")], "a report with status"),
     ],
@@ -316,3 +347,67 @@ def test_runner_outcomes_that_do_not_add_up(frames: list[dict[str, Any]], anomal
 def test_a_runner_stream_without_exit_is_incomplete() -> None:
     outcome = judge.aggregate_results([runner_report("t", "PASSED")], KEY)
     assert not outcome["complete"] and outcome["statuses"] == {"t": "PASSED"}
+
+
+def test_the_init_of_test_folders_is_protected_never_the_packages() -> None:
+    found = judge.package_inits({"tests/unit/test_a.py", "sympy/matrices/tests/test_m.py", "lib/mod.py"})
+    assert found == {"tests/__init__.py", "tests/unit/__init__.py", "sympy/matrices/tests/__init__.py"}
+
+
+def git_repo(path: Path, files: dict[str, str]) -> str:
+    for name, text in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+    for command in (
+        ["init", "-q"],
+        ["add", "-A"],
+        ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base"],
+    ):
+        subprocess.run(["git", *command], cwd=path, check=True, env=judge.git_env())
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True).stdout.strip()
+
+
+def test_a_test_patch_that_applies_at_the_base_commit_is_told_apart(tmp_path: Path) -> None:
+    """The harness checks the test patch against the base commit's tree (a scratch index):
+    blocked by the model's patch when it applies there, the task's own fault when not."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    base = git_repo(repo, {"tests/test_a.py": "def test_a():\n    pass\n"})
+    adds = tmp_path / "adds.patch"
+    adds.write_text(
+        "diff --git a/tests/test_b.py b/tests/test_b.py\nnew file mode 100644\n--- /dev/null\n"
+        "+++ b/tests/test_b.py\n@@ -0,0 +1 @@\n+x = 1\n"
+    )
+    (repo / "tests" / "test_b.py").mkdir()  # what a model's patch may leave in its way
+    (repo / "tests" / "test_b.py" / "x").write_text("x")
+    assert judge.applies_at_base(str(repo), base, str(adds), str(tmp_path))
+    wrong = tmp_path / "wrong.patch"
+    wrong.write_text("--- a/tests/test_a.py\n+++ b/tests/test_a.py\n@@ -1 +1 @@\n-def test_z():\n+def test_y():\n")
+    assert not judge.applies_at_base(str(repo), base, str(wrong), str(tmp_path))
+
+
+def test_the_run_may_not_change_the_tests_files(tmp_path: Path) -> None:
+    """Test files and test infrastructure hashed before the run and compared after it."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git_repo(repo, {"tests/test_a.py": "def test_a():\n    pass\n", "tests/test_c.py": "", "lib.py": ""})
+
+    def protected(path: str) -> bool:
+        return path.startswith("tests/test_") or judge.is_test_infrastructure(path)
+
+    before = judge.file_digests(str(repo), judge.watched_files(str(repo), protected))
+    assert judge.files_changed(str(repo), protected, before) == []
+    (repo / "lib.py").write_text("changed")  # the code under test may change
+    assert judge.files_changed(str(repo), protected, before) == []
+    (repo / "tests" / "test_a.py").write_text("def test_a():\n    assert True\n")
+    (repo / "tests" / "test_c.py").unlink()
+    (repo / "tests" / "conftest.py").write_text("")
+    (repo / "Evil.PTH").write_text("")
+    [changed] = judge.files_changed(str(repo), protected, before)
+    for item in (
+        "tests/test_a.py (rewritten)",
+        "tests/test_c.py (deleted)",
+        "tests/conftest.py (new)",
+        "Evil.PTH (new)",
+    ):
+        assert item in changed, changed

@@ -1,17 +1,18 @@
-"""The SWE family's pure parts: instance validation and the patch's file list
-(test outcomes: tests/unit/test_judge.py)."""
+"""The SWE family's pure parts: instance validation, the patch's file list, and
+grading a harness verdict (test outcomes: tests/unit/test_judge.py)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from prorl_server.agents.swe import SWEHandler, node_ids
 from prorl_server.datasets.swe import load_task, task_dirs, to_task
-from prorl_server.errors import InvalidArgument
-from prorl_server.verifiers.swe import _graded, patched_files, runner_command
+from prorl_server.errors import InfrastructureError, InvalidArgument
+from prorl_server.sandbox.base import JudgeResult, Sandbox
+from prorl_server.verifiers.swe import _graded, judge, patched_files, runner_command
 
 INSTANCE: dict[str, Any] = {
     "instance_id": "owner__proj-1.0",
@@ -153,3 +154,79 @@ def test_a_pytest_repository_of_swebench_is_graded_with_its_official_parser() ->
         {**outcome, "statuses": {"t.py::test_kept": "PASSED"}}, evaluation, True, tests[:1], tests[1:], "", {}
     )
     assert not forged.resolved and forged.verdict == "tampered"  # the log's PASSED line, unreported by pytest
+
+
+def pytest_outcome(statuses: dict[str, str]) -> dict[str, Any]:
+    """A complete pytest run of the harness whose log and reporter agree on `statuses`."""
+    printed = "".join(f"{status} {test}\n" for test, status in statuses.items())
+    return {
+        "stage": "tests", "ok": True, "complete": True, "exitstatus": 0, "exit_code": 0,
+        "statuses": dict(statuses), "log": printed,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("status", ["XFAIL", "SKIPPED", "XPASS"])
+@pytest.mark.parametrize("where", ["fail_to_pass", "pass_to_pass"])
+def test_only_a_pass_is_a_pass(status: str, where: str) -> None:
+    """An XFAIL, a skip or an XPASS never resolves (the code under test can call
+    pytest.xfail() or pytest.skip()); SWE-bench's grading, behind swebench_grading,
+    takes an XFAIL for a pass and keeps a skipped PASS_TO_PASS test."""
+    fixed, kept = "t.py::test_fixed", "t.py::test_kept"
+    statuses = {fixed: "PASSED", kept: "PASSED"}
+    statuses[fixed if where == "fail_to_pass" else kept] = status
+    outcome = pytest_outcome(statuses)
+    strict = _graded(outcome, None, True, [fixed], [kept], "", {})
+    assert not strict.resolved and strict.verdict == "unresolved" and strict.grading == "strict"
+    compatible = _graded(outcome, None, True, [fixed], [kept], "", {}, swebench_grading=True)
+    swebench_passes = status == "XFAIL" or (status == "SKIPPED" and where == "pass_to_pass")
+    assert compatible.resolved == swebench_passes, compatible
+
+
+def test_a_logged_pass_over_a_reported_xfail_is_tampering() -> None:
+    """The log says PASSED where the reporter said XFAIL: a forged line under the default grading."""
+    fixed = "t.py::test_fixed"
+    outcome = {**pytest_outcome({fixed: "PASSED"}), "statuses": {fixed: "XFAIL"}}
+    assert _graded(outcome, None, True, [fixed], [], "", {}).verdict == "tampered"
+    assert _graded(outcome, None, True, [fixed], [], "", {}, swebench_grading=True).resolved
+
+
+def test_swebench_grading_is_off_unless_asked_for() -> None:
+    assert SWEHandler().validate(INSTANCE).swebench_grading is False
+    assert SWEHandler().validate({**INSTANCE, "swebench_grading": True}).swebench_grading is True
+    with pytest.raises(InvalidArgument, match="swebench_grading"):
+        SWEHandler().validate({**INSTANCE, "swebench_grading": "yes"})
+
+
+class ScriptedHarness:
+    """A scripted stand-in for a sandbox whose judging harness gives `verdict`."""
+
+    def __init__(self, verdict: dict[str, Any]) -> None:
+        self.verdict = verdict
+
+    async def judge(self, mode: str, spec: Any, *, timeout_s: float) -> JudgeResult:
+        return JudgeResult(self.verdict, output="log")
+
+
+async def judged(verdict: dict[str, Any]) -> Any:
+    return await judge(
+        cast(Sandbox, ScriptedHarness(verdict)), repo_dir="/testbed", base_commit="0" * 40, patch="x",
+        test_patch="y", fail_to_pass=["t.py::a"], pass_to_pass=[], pythonpath="", timeout_s=10,
+    )  # fmt: skip
+
+
+async def test_a_test_patch_the_models_patch_blocks_is_the_policys_failure() -> None:
+    """It applies at the base commit, not after the model's patch: reward 0, never infrastructure."""
+    blocked = await judged({"stage": "test_patch", "ok": False, "output": "error", "applies_at_base": True})
+    assert not blocked.resolved and blocked.verdict == "test_patch_blocked" and "applies at" in blocked.reason
+    with pytest.raises(InfrastructureError, match="does not apply") as caught:
+        await judged({"stage": "test_patch", "ok": False, "output": "error", "applies_at_base": False})
+    assert caught.value.reason == "swe_test_patch"  # the task's own fault
+
+
+def test_tampering_caught_before_the_time_ran_out_is_tampering() -> None:
+    """A trace function slows every test down: the run is caught, then times out."""
+    fixed = "t.py::test_fixed"
+    outcome = {**pytest_outcome({fixed: "PASSED"}), "complete": False, "timed_out": True}
+    assert _graded(outcome, None, True, [fixed], [], "", {}).verdict == "tests_timed_out"
+    caught = {**outcome, "anomalies": ["the test run was tampered with: ['a trace function set by ...']"]}
+    assert _graded(caught, None, True, [fixed], [], "", {}).verdict == "tampered"

@@ -36,8 +36,10 @@ Modes
 - stdio: runs the program once per input; its stdout (its own pipe), exit
   status (from waitpid) and timing go back to the server, which compares.
 - swe: applies the model's patch to the repository, restores test
-  infrastructure the patch touched (see is_test_infrastructure) and the test
-  files, applies the test patch, and runs pytest in a child (mode `pytest`)
+  infrastructure the patch touched (see is_test_infrastructure, any case),
+  the test files and whatever stands where they must go, applies the test
+  patch (telling apart one the model's patch blocks from one that does not
+  apply at the base commit either), and runs pytest in a child (mode `pytest`)
   with a reporter plugin that sends each test's outcome over a pipe to this
   process. For a Django or SymPy instance it runs the official command
   instead (modes `django`, `sympy`, below "Django's and SymPy's runners"),
@@ -66,7 +68,23 @@ to deliberate in-process tampering with this file's internals:
   with the reports and with the runner's real exit status;
 - pytest's reporting machinery (and the reporter) is fingerprinted before any
   conftest.py or test is imported and compared at every report; between the
-  two only pytest's own replacements of its functions are accepted.
+  two only pytest's own replacements of its functions (and installed
+  plugins') are accepted;
+- plugins and hooks: `register` checks who calls it (the first frame below
+  pytest, pluggy and the standard library must be this runner, installed
+  code, or a file the harness put in place: a conftest.py, a test file), and
+  every hook implementation is compared at each report with the ones
+  registration gave (added, replaced: `tampered`); so are trace functions
+  (`sys.settrace` from the code under test could jump over asserts) and the
+  report function itself (it sends only for this runner's own code);
+- test modules: pytest's rewriter must read the bytes the harness put in
+  place (their digests come on the runner's stdin after the key; no cached
+  .pyc is read: `sys.pycache_prefix` is a fresh folder), and each collected
+  test's function must be one its test file defines, checked again before it
+  runs;
+- after the run the harness compares every test file and piece of test
+  infrastructure with what it put in place (rewritten, deleted or new: an
+  anomaly, whatever the runner says).
 """
 
 import base64
@@ -718,7 +736,9 @@ def judge_stdio(spec):
 
 # --- swe mode: the repository, test infrastructure, pytest --------------------------
 
-# Files pytest or Python load as configuration or plugins, wherever they sit.
+# Files pytest or Python load as configuration or plugins, wherever they sit. Matched
+# without regard to case: importlib.metadata finds `X.DIST-INFO` folders, and a
+# case-insensitive file system would load `CONFTEST.PY`.
 INFRA_NAMES = frozenset(
     {
         "conftest.py",
@@ -729,27 +749,29 @@ INFRA_NAMES = frozenset(
         "tox.ini",
         "setup.cfg",
         "pyproject.toml",
-        "sitecustomize.py",
-        "usercustomize.py",
+        "entry_points.txt",  # only read inside metadata folders, matched anywhere
         ".gitattributes",  # changes how git applies the test patch
     }
 )
-INFRA_SUFFIXES = (".pth", ".pyc", ".pyo", ".egg-link")
+# Modules Python's site imports at start-up, in any form (a .py, a package, an extension).
+INFRA_STEMS = frozenset({"sitecustomize", "usercustomize"})
+INFRA_SUFFIXES = (".pth", ".pyc", ".pyo", ".egg-link", ".egg")
 # Folders whose content is packaging metadata (entry points: pytest11 plugins) or bytecode.
-INFRA_DIR_SUFFIXES = (".dist-info", ".egg-info")
-INFRA_DIRS = frozenset({"__pycache__"})
+INFRA_DIR_SUFFIXES = (".dist-info", ".egg-info", ".egg")
+INFRA_DIRS = frozenset({"__pycache__", ".pytest_cache"})
 
 
 def is_test_infrastructure(path):
     """Whether a repository path (posix, relative) is configuration or a plugin
-    that Python or pytest would load: the model's patch may not change it."""
-    parts = [part for part in path.split("/") if part]
+    that Python or pytest would load: the model's patch may not change it. Case
+    does not matter."""
+    parts = [part.lower() for part in path.split("/") if part]
     if not parts:
         return False
     name = parts[-1]
-    if name in INFRA_NAMES or name.endswith(INFRA_SUFFIXES):
+    if name in INFRA_NAMES or name.endswith(INFRA_SUFFIXES) or name.split(".", 1)[0] in INFRA_STEMS:
         return True
-    return any(part in INFRA_DIRS or part.endswith(INFRA_DIR_SUFFIXES) for part in parts)
+    return any(part in INFRA_DIRS or part.endswith(INFRA_DIR_SUFFIXES) or part in INFRA_STEMS for part in parts)
 
 
 def test_file_of(node_id):
@@ -887,17 +909,29 @@ def _judge_swe(spec, workdir):
     test_patch = str(spec.get("test_patch", ""))
     protected_files = set(test_file_of(test) for test in tests)
     protected_files.update(str(path) for path in spec.get("infrastructure") or [])
-    test_dirs = bool(spec.get("protect_test_dirs"))
+    # Every file under a tests/ folder is the tests' (helpers a test module imports
+    # included): a fix has no business there. Off only when the spec says so.
+    test_dirs = spec.get("protect_test_dirs", True) is not False
+    test_patch_file = None
     if test_patch.strip():
-        path = os.path.join(workdir, "test.patch")
-        with open(path, "wb") as handle:
+        test_patch_file = os.path.join(workdir, "test.patch")
+        with open(test_patch_file, "wb") as handle:
             handle.write(test_patch.encode("utf-8", "surrogateescape"))
-        protected_files.update(patch_paths(repo, path))
+        protected_files.update(patch_paths(repo, test_patch_file))
+    protected_files.update(package_inits(set(test_file_of(test) for test in tests) | protected_files))
+    ancestors = set()
+    for path in protected_files:
+        parts = path.split("/")
+        ancestors.update("/".join(parts[:index]) for index in range(1, len(parts)))
 
     def protected(path):
         if test_dirs and "tests" in path.split("/")[:-1]:
-            return True  # the runner's test packages (Django's tests/, SymPy's */tests/)
-        return path in protected_files or is_test_infrastructure(path)
+            return True  # test packages (Django's tests/, SymPy's */tests/, a pytest suite's helpers)
+        if path in protected_files or is_test_infrastructure(path):
+            return True
+        # Whatever stands where a protected file must go: a directory at a test file's
+        # path (a file inside it), or a file or link where its folder must be.
+        return path in ancestors or any(path.startswith(other + "/") for other in protected_files)
 
     verdict["stage"] = "restore"
     restored, deleted, still = restore_protected(repo, base, protected, untracked_before)
@@ -908,17 +942,96 @@ def _judge_swe(spec, workdir):
         verdict.update(ok=False, output="cannot restore: %s" % _capped_list(still, 20))
         return verdict
     verdict["stage"] = "test_patch"
-    if test_patch.strip():
+    if test_patch_file is not None:
         applied, log, _ = apply_patch(repo, test_patch, "test.patch", workdir)
         if not applied:
-            verdict.update(ok=False, output=log)
+            # The task's fault only if it does not apply at the base commit either;
+            # otherwise the model's patch (what is left of it) stands in its way.
+            verdict.update(ok=False, output=log, applies_at_base=applies_at_base(repo, base, test_patch_file, workdir))
             return verdict
     verdict["stage"] = "tests"
+    watched = watched_files(repo, protected)
+    before = file_digests(repo, watched)
+    verdict["watched_files"] = len(watched)
     if spec.get("runner", "pytest") == "pytest":
-        verdict.update(ok=True, **run_pytest(repo, spec, tests, workdir))
+        verdict.update(ok=True, **run_pytest(repo, spec, tests, workdir, before))
     else:
-        verdict.update(ok=True, **run_runner(repo, spec, workdir))
+        verdict.update(ok=True, **run_runner(repo, spec, workdir, before))
+    verdict["anomalies"] = list(verdict.get("anomalies") or []) + files_changed(repo, protected, before)
     return verdict
+
+
+def package_inits(paths):
+    """The `__init__.py` of each test folder above each test file (from the first folder
+    named test*, down): pytest imports a test module with its package and runs their
+    code. The packages of the code under test are never among them."""
+    found = set()
+    for path in paths:
+        parts = path.split("/")[:-1]
+        first = next((index for index, part in enumerate(parts) if part.lower().startswith("test")), None)
+        if first is None:
+            continue
+        for index in range(first + 1, len(parts) + 1):
+            found.add("/".join(parts[:index] + ["__init__.py"]))
+    return found
+
+
+def applies_at_base(repo, base, patch_file, workdir):
+    """Whether the patch applies to the base commit's tree (checked in a scratch index,
+    the work tree untouched)."""
+    env = dict(git_env(), GIT_INDEX_FILE=os.path.join(workdir, "base.index"))
+    try:
+        if subprocess.run(["git", "read-tree", base], cwd=repo, env=env, capture_output=True, timeout=120).returncode:
+            return False
+        done = subprocess.run(
+            ["git", "apply", "--cached", "--check", patch_file], cwd=repo, env=env, capture_output=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def watched_files(repo, protected):
+    """The protected paths present in the work tree (tracked or not, ignored included)."""
+    _, listed, _ = git(repo, ["ls-files", "-z", "--cached", "--others"])
+    return sorted(set(path for path in nul_paths(listed) if protected(path)))
+
+
+def file_digest(path):
+    """What a file is: a link's target, or the sha256 of its content; None when absent."""
+    import hashlib
+
+    try:
+        if os.path.islink(path):
+            return "link:" + os.readlink(path)
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        return digest.hexdigest()
+    except OSError:
+        return None
+
+
+def file_digests(repo, paths):
+    return dict((path, file_digest(os.path.join(repo, path))) for path in paths)
+
+
+def files_changed(repo, protected, before):
+    """The run's changes to the task's test files and test infrastructure: a test file
+    rewritten or deleted, a conftest.py, a .pth, bytecode written (an anomaly each)."""
+    after = watched_files(repo, protected)
+    changed = []
+    for path in sorted(set(before) | set(after)):
+        if path not in before:
+            changed.append("%s (new)" % path)
+        else:
+            now = file_digest(os.path.join(repo, path))
+            if now != before[path]:
+                changed.append("%s (%s)" % (path, "deleted" if now is None else "rewritten"))
+    if not changed:
+        return []
+    return ["the tests' files changed during the run: %s" % ", ".join(_capped_list(changed, 20))]
 
 
 def collect_reports(process, report_r, started, timeout):
@@ -972,9 +1085,10 @@ def collect_reports(process, report_r, started, timeout):
 LOG_CAP = 8 << 20
 
 
-def run_child(python, mode, options, args, repo, env, workdir, timeout):
+def run_child(python, mode, options, args, repo, env, workdir, timeout, briefing=None):
     """Run this file in runner mode `mode` in a child: its printed stdout and stderr go to a
-    file in `workdir`, the run's key to its stdin, and its report frames are collected.
+    file in `workdir`, the run's key to its stdin (then `briefing`, a line of JSON, if
+    given), and its report frames are collected.
 
     Returns (key, frames, problem, timed out, exit code, the printed log (at most
     LOG_CAP bytes, as text), whether the log was longer)."""
@@ -991,6 +1105,8 @@ def run_child(python, mode, options, args, repo, env, workdir, timeout):
     os.close(report_w)
     try:
         process.stdin.write(key.encode() + b"\n")
+        if briefing is not None:
+            process.stdin.write(json.dumps(briefing).encode("utf-8") + b"\n")
         process.stdin.close()
     except OSError:
         pass
@@ -1000,8 +1116,12 @@ def run_child(python, mode, options, args, repo, env, workdir, timeout):
     return key, frames, problem, timed_out, code, raw[:LOG_CAP].decode("utf-8", "replace"), len(raw) > LOG_CAP
 
 
-def run_pytest(repo, spec, tests, workdir):
-    """Run the selected tests in a runner child; its reporter's frames are the outcome."""
+def run_pytest(repo, spec, tests, workdir, digests):
+    """Run the selected tests in a runner child; its reporter's frames are the outcome.
+
+    The runner is told the digest of every protected file (`digests`: the test files
+    and test infrastructure as the harness put them in place): the files it may
+    trust, and what pytest must read when it imports a test module."""
     started = time.monotonic()
     paths = [os.path.join(repo, entry) for entry in str(spec.get("pythonpath") or "").split(":") if entry]
     options = []
@@ -1010,9 +1130,14 @@ def run_pytest(repo, spec, tests, workdir):
     env = clean_env()
     if paths:
         env["PYTHONPATH"] = ":".join(paths)  # for the processes the tests start
+    pycache = tempfile.mkdtemp(prefix="pycache-", dir=workdir)
+    options += ["--pycache", pycache]
     key, frames, problem, timed_out, code, log, truncated = run_child(
-        [sys.executable, "-I", "-B", "-u"], "pytest", options, tests, repo, env, workdir, float(spec["timeout_s"])
-    )
+        [sys.executable, "-I", "-B", "-u"], "pytest", options, tests, repo, env, workdir, float(spec["timeout_s"]),
+        briefing={"digests": digests},
+    )  # fmt: skip
+    if os.listdir(pycache):
+        problem = problem or "bytecode was written where pytest would read it back (%s)" % pycache
     outcome = aggregate_reports(frames, tests, key)
     if problem:
         outcome["anomalies"].append(problem)
@@ -1081,7 +1206,7 @@ def aggregate_reports(frames, tests, key):
             outcome = (phase[1], str(frame.get("outcome")), frame.get("xfail") is True, sub)
             phases.setdefault(phase[0], []).append(outcome)
         elif kind == "tampered":
-            anomalies.append("pytest's reporting code changed during the run: %s" % str(frame.get("names"))[:500])
+            anomalies.append("the test run was tampered with: %s" % str(frame.get("names"))[:500])
         elif kind == "finished" and finished is None:
             finished = frame.get("exitstatus")
         elif kind == "exit" and exit_code is None and finished is not None:
@@ -1114,6 +1239,7 @@ _PRELOAD_STDLIB = ("doctest", "pdb", "unittest", "faulthandler", "inspect", "war
 _WATCHED_MODULES = (
     "_pytest.runner", "_pytest.reports", "_pytest.main", "_pytest.python", "_pytest.skipping",
     "_pytest.unittest", "_pytest.nodes", "_pytest.outcomes", "_pytest.terminal", "_pytest.config",
+    "_pytest.assertion.rewrite", "_pytest.fixtures", "_pytest.junitxml",
     "pluggy._callers", "pluggy._hooks", "pluggy._manager", "pluggy.callers", "pluggy.hooks", "pluggy.manager",
 )  # fmt: skip
 
@@ -1182,41 +1308,306 @@ def _pytest_own(value):
     return _origin(value).split(".")[0] in ("_pytest", "pytest", "pluggy")
 
 
-def pytest_runner(report_fd, paths, args):
+class _Provenance(object):
+    """Where code comes from, as the runner sees it: pytest's and pluggy's own, the
+    standard library's, a file of the repository the harness put in place (a test
+    file, a conftest.py: `trusted`), or the repository's other files (the code under
+    test). Anything outside the repository (site-packages) counts as installed."""
+
+    def __init__(self, repo, trusted):
+        import sysconfig
+
+        self.repo = os.path.realpath(repo).rstrip("/") + "/"
+        self.trusted = set(os.path.realpath(os.path.join(repo, path)) for path in trusted)
+        self.own = os.path.realpath(os.path.abspath(__file__))
+        machinery = []
+        for name in ("_pytest", "pluggy", "pytest"):
+            module = sys.modules.get(name)
+            if getattr(module, "__file__", None):
+                machinery.append(os.path.dirname(os.path.realpath(module.__file__)) + "/")
+        self.machinery = tuple(machinery)
+        stdlib = sysconfig.get_paths().get("stdlib") or os.path.dirname(os.__file__)
+        self.stdlib = os.path.realpath(stdlib).rstrip("/") + "/"
+        self.cache = {}
+
+    def kind(self, filename):
+        """'machinery', 'stdlib', 'runner', 'trusted', 'untrusted' or 'installed'."""
+        found = self.cache.get(filename)
+        if found is None:
+            found = self.cache[filename] = self._kind(filename)
+        return found
+
+    def _kind(self, filename):
+        if filename.startswith("<frozen") or filename.startswith("<pytest"):
+            return "machinery"
+        if filename.startswith("<"):
+            return "untrusted"  # exec'd or compiled text: only the code under test writes that
+        real = os.path.realpath(filename)
+        if real == self.own:
+            return "runner"
+        if real.startswith(self.machinery):
+            return "machinery"
+        if real.startswith(self.repo):
+            return "trusted" if real in self.trusted else "untrusted"
+        if real.startswith(self.stdlib) and "-packages/" not in real:
+            return "stdlib"
+        return "installed" if os.path.exists(real) else "untrusted"
+
+    def installed(self, value):
+        """Whether a function or class was written outside the repository (an installed
+        plugin such as hypothesis's may patch pytest as it loads)."""
+        module = sys.modules.get(_origin(value))
+        filename = getattr(module, "__file__", None)
+        return isinstance(filename, str) and self.kind(filename) in ("installed", "machinery", "stdlib")
+
+    def initiator(self, frame):
+        """The first frame below pytest, pluggy and the standard library: None if it is the
+        runner, a trusted file or installed code; else where it is (the code under test,
+        or a thread's bottom: nothing of the runner's own stack)."""
+        while frame is not None:
+            kind = self.kind(frame.f_code.co_filename)
+            if kind in ("runner", "trusted", "installed"):
+                return None
+            if kind == "untrusted":
+                return "%s:%d" % (frame.f_code.co_filename, frame.f_lineno)
+            frame = frame.f_back
+        return "a stack with no caller of the runner's (another thread)"
+
+
+def guard_tracing(provenance, report):
+    """Replace sys.settrace and threading.settrace with versions that `report` a trace
+    function set by the code under test (a trace function can jump over a test's
+    asserts). Returns the guards, to check they stay in place."""
+    import threading
+
+    getframe = sys._getframe
+
+    def guarded(original, what):
+        def settrace(function):
+            if function is not None:
+                culprit = provenance.initiator(getframe(1))
+                if culprit is not None:
+                    report("%s by the code under test (%s)" % (what, culprit))
+            return original(function)
+
+        settrace.__name__ = settrace.__qualname__ = original.__name__
+        return settrace
+
+    sys.settrace = guarded(sys.settrace, "a trace function set")
+    threading.settrace = guarded(threading.settrace, "a trace function set for threads")
+    return sys.settrace, threading.settrace
+
+
+def tracing_guarded(guards):
+    import threading
+
+    return sys.settrace is guards[0] and threading.settrace is guards[1]
+
+
+def _hook_callers(manager):
+    """{hook name: caller} of a pluggy plugin manager."""
+    return dict((name, caller) for name, caller in list(vars(manager.hook).items()) if hasattr(caller, "get_hookimpls"))
+
+
+def _codes(code):
+    """Every code object in a compiled module."""
+    found, stack = [], [code]
+    while stack:
+        current = stack.pop()
+        found.append(current)
+        stack.extend(const for const in current.co_consts if hasattr(const, "co_code"))
+    return found
+
+
+def pytest_runner(report_fd, paths, args, pycache=""):
     """The child that runs pytest; the code under test is imported here."""
     harden()
     os.set_inheritable(report_fd, False)
     key = sys.stdin.readline().strip()  # the run's key: only in this process's memory from here on
+    try:
+        briefing = json.loads(sys.stdin.readline() or "{}")
+    except ValueError:
+        briefing = {}
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    if pycache:
+        # Bytecode is read from (and would be written to) a fresh folder of the
+        # harness's: no .pyc planted in the repository stands in for a test module.
+        sys.pycache_prefix = pycache
     _preload()
+    import _pytest.assertion.rewrite as rewrite
+    import _pytest.config
     import pytest
 
     write, dumps, pack = os.write, json.dumps, HEADER.pack
+    repo = os.getcwd()
+    digests = dict((str(path), value) for path, value in dict(briefing.get("digests") or {}).items())
+    provenance = _Provenance(repo, digests)
+    getframe = sys._getframe
+
+    own_codes = frozenset(_codes(pytest_runner.__code__))
 
     def send(message):
+        if getframe(1).f_code not in own_codes:  # called by the code under test
+            caller = getframe(1).f_code
+            message = {"kind": "tampered", "names": ["the reporter called from %s" % caller.co_filename[:300]]}
         message["key"] = key
         body = dumps(message).encode("utf-8")
         data = memoryview(pack(len(body)) + body)
         while data:
             data = data[write(report_fd, data) :]
 
+    problems = set()
+
+    def tampered(text):
+        if text not in problems:
+            problems.add(text)
+            send({"kind": "tampered", "names": [text[:500]]})
+
+    # A test module must be compiled from the file the harness put in place, read now
+    # (not from a cached .pyc, not from a copy the code under test rewrote).
+    compiled = {}
+    original_rewrite = rewrite._rewrite_test
+
+    def expected_digest(path):
+        real = os.path.realpath(str(path))
+        relative = os.path.relpath(real, os.path.realpath(repo))
+        return relative, digests.get(relative)
+
+    def checked_rewrite(fn, *rest, **options):
+        relative, want = expected_digest(fn)
+        first = file_digest(str(fn))
+        result = original_rewrite(fn, *rest, **options)
+        if want is not None and not (first == want and file_digest(str(fn)) == want):
+            tampered("the test file %s was not the task's when pytest read it" % relative)
+        try:
+            compiled[os.path.realpath(str(fn))] = _codes(result[1])
+        except Exception:
+            pass
+        return result
+
+    rewrite._rewrite_test = checked_rewrite
+    rewrite._read_pyc = lambda *args, **kwargs: None
+
+    # Plugins and hooks: registered only by pytest, its plugins, or the files the
+    # harness put in place, never by the code under test.
+    manager_class = _pytest.config.PytestPluginManager
+    original_register = manager_class.register
+    known_impls = {}
+    state = {"manager": None, "callers": {}, "hookexec": None}
+
+    def learn(manager, plugin):
+        for caller in _hook_callers(manager).values():
+            for impl in caller.get_hookimpls():
+                if plugin is None or impl.plugin is plugin:
+                    known_impls[id(impl)] = (impl, impl.function)
+
+    def register(self, plugin, name=None):
+        culprit = provenance.initiator(getframe(1))
+        if culprit is not None:
+            tampered("a pytest plugin registered by the code under test (%s)" % culprit)
+        result = original_register(self, plugin, name)
+        if culprit is None:
+            learn(self, plugin)
+        return result
+
+    register.__name__ = register.__qualname__ = "register"
+    manager_class.register = register
+
+    # Tracing can jump over a test's lines (its asserts): only for code outside the
+    # code under test.
+    guards = guard_tracing(provenance, tampered)
+
+    def check_hooks():
+        manager = state["manager"]
+        if manager is None:
+            return
+        if getattr(manager, "_inner_hookexec", None) is not state["hookexec"]:
+            tampered("pytest's hook calling replaced")
+        for name, caller in _hook_callers(manager).items():
+            seen = state["callers"].setdefault(name, caller)
+            if seen is not caller:
+                tampered("the %s hook replaced" % name)
+            for impl in caller.get_hookimpls():
+                entry = known_impls.get(id(impl))
+                if entry is None or entry[0] is not impl:
+                    tampered("a %s implementation added outside plugin registration (%s)" % (name, impl.plugin_name))
+                    known_impls[id(impl)] = (impl, impl.function)
+                elif entry[1] is not impl.function:
+                    tampered("the %s implementation of %s replaced" % (name, impl.plugin_name))
+
+    def code_problem(item):
+        """Why a test function is not the test module's own (None: it is)."""
+        holders = [getattr(item, "obj", None)]
+        parent = getattr(getattr(item, "parent", None), "obj", None)
+        name = getattr(item, "originalname", None) or str(getattr(item, "name", "")).split("[")[0]
+        if isinstance(parent, type):
+            holders.append(getattr(parent, name, None))
+        for holder in holders:
+            function = getattr(holder, "__func__", holder)
+            code = getattr(function, "__code__", None)
+            if code is None:
+                continue
+            kind = provenance.kind(code.co_filename)
+            if kind in ("stdlib", "installed", "machinery"):
+                continue  # a decorator's wrapper (unittest.mock.patch, ...)
+            if kind != "trusted":
+                return "%s runs code from %s" % (item.nodeid, code.co_filename)
+            references = compiled.get(os.path.realpath(code.co_filename))
+            if references is None:
+                try:
+                    with open(code.co_filename, "rb") as handle:
+                        references = _codes(compile(handle.read(), code.co_filename, "exec", dont_inherit=True))
+                except (OSError, SyntaxError, ValueError):
+                    references = []
+                compiled[os.path.realpath(code.co_filename)] = references
+            if not any(code is ref or _same_code(code, ref) for ref in references):
+                return "%s is not the function its test file defines" % item.nodeid
+        return None
+
     class Reporter(object):
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_configure(self, config):
+            state["manager"] = config.pluginmanager
+            state["hookexec"] = getattr(config.pluginmanager, "_inner_hookexec", None)
+            state["callers"].update(_hook_callers(config.pluginmanager))
+            check_hooks()  # every implementation so far came through `register`
+
         @pytest.hookimpl(trylast=True)
         def pytest_sessionstart(self, session):
             # Between the first fingerprint and this one, conftest.py files may have
             # imported the code under test, and pytest patched itself (legacypath):
             # only pytest's own replacements are accepted.
             now = _fingerprint(Reporter)
-            foreign = [key for key in _changed(baseline, now) if key not in now or not _pytest_own(now[key][0])]
+            foreign = [
+                key for key in _changed(baseline, now)
+                if key not in now or not (_pytest_own(now[key][0]) or provenance.installed(now[key][0]))
+            ]  # fmt: skip
             if foreign:
                 send({"kind": "tampered", "names": foreign[:50]})
             baseline.clear()
             baseline.update(now)
+            check_hooks()
 
         def pytest_collection_finish(self, session):
+            check_hooks()
+            for item in session.items:
+                problem = code_problem(item)
+                if problem:
+                    tampered(problem)
+            for path in sorted(set(str(getattr(item, "path", getattr(item, "fspath", ""))) for item in session.items)):
+                relative, want = expected_digest(path)
+                if want is not None and file_digest(path) != want:
+                    tampered("the test file %s changed before its tests ran" % relative)
             send({"kind": "collected", "nodeids": [item.nodeid for item in session.items]})
+
+        @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+        def pytest_runtest_call(self, item):
+            problem = code_problem(item)
+            if problem:
+                tampered(problem)
+            yield
 
         def pytest_runtest_logreport(self, report):
             send(
@@ -1244,8 +1635,11 @@ def pytest_runner(report_fd, paths, args):
         if changed and tuple(changed) not in reported:
             reported.add(tuple(changed))
             send({"kind": "tampered", "names": changed[:50]})
+        if not tracing_guarded(guards):
+            tampered("the runner's guard on trace functions removed")
+        check_hooks()
 
-    sys.path[0:0] = [os.getcwd()] + list(paths)  # what `python -m pytest` with PYTHONPATH would see
+    sys.path[0:0] = [repo] + list(paths)  # what `python -m pytest` with PYTHONPATH would see
     sys.argv = [os.path.join(os.path.dirname(pytest.__file__), "__main__.py")] + list(args)
     code = int(pytest.main(["-rA", "-p", "no:cacheprovider"] + list(args), plugins=[Reporter()]))
     send({"kind": "exit", "code": code})
@@ -1315,15 +1709,16 @@ def runner_python(env):
     return found or sys.executable
 
 
-def run_runner(repo, spec, workdir):
-    """Run the official command of a Django or SymPy instance; outcomes from the report pipe."""
+def run_runner(repo, spec, workdir, digests):
+    """Run the official command of a Django or SymPy instance; outcomes from the report pipe
+    (`digests`: the protected files, which the runner may trust)."""
     args = [str(arg) for arg in spec.get("test_args") or []]
     env = activated_env(spec)
     env["PYTHONHASHSEED"] = str(int.from_bytes(os.urandom(4), "big"))  # random, as the official run
     started = time.monotonic()
     key, frames, problem, timed_out, code, log, truncated = run_child(
         [runner_python(env), "-s", "-B", "-u"], str(spec["runner"]), [], args, repo, env, workdir,
-        float(spec["timeout_s"]),
+        float(spec["timeout_s"]), briefing={"digests": digests},
     )  # fmt: skip
     outcome = aggregate_results(frames, key)
     if problem:
@@ -1379,9 +1774,7 @@ def aggregate_results(frames, key):
         elif kind == "foreign":
             anomalies.append("a test outcome reported from outside the test runner: %s" % str(frame.get("what"))[:300])
         elif kind == "tampered":
-            anomalies.append(
-                "the test runner's reporting code changed during the run: %s" % str(frame.get("names"))[:500]
-            )
+            anomalies.append("the test run was tampered with: %s" % str(frame.get("names"))[:500])
         elif kind == "exit" and exit_code is None:
             exit_code = frame.get("code")
         elif kind != "started":
@@ -1430,6 +1823,10 @@ class _Channel(object):
     def __init__(self, report_fd):
         os.set_inheritable(report_fd, False)
         key = sys.stdin.readline().strip()
+        try:
+            self.briefing = json.loads(sys.stdin.readline() or "{}")
+        except ValueError:
+            self.briefing = {}
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -1444,6 +1841,14 @@ class _Channel(object):
 
         self.send = send
         self.fd = report_fd
+        sent = set()
+
+        def tampered(text):
+            if text not in sent:
+                sent.add(text)
+                send({"kind": "tampered", "names": [text[:500]]})
+
+        self.tampered = tampered
 
 
 def _finish(channel, code):
@@ -1555,12 +1960,15 @@ def django_runner(report_fd, args):
     modules = [sys.modules[name] for name in _UNITTEST_MODULES if name in sys.modules]
     baseline = _identity_fingerprint([], modules)
     reported = set()
+    guards = guard_tracing(_Provenance(os.getcwd(), channel.briefing.get("digests") or {}), channel.tampered)
 
     def check():
         changed = _changed(baseline, _identity_fingerprint([], modules))
         if changed and tuple(changed) not in reported:
             reported.add(tuple(changed))
             send({"kind": "tampered", "names": changed[:50]})
+        if not tracing_guarded(guards):
+            channel.tampered("the runner's guard on trace functions removed")
 
     send({"kind": "started"})
     script = os.path.join(os.getcwd(), "tests", "runtests.py")
@@ -1684,8 +2092,11 @@ def sympy_runner(report_fd, args):
         setattr(reporter, method, reporting)
 
     reported = set()
+    guards = guard_tracing(_Provenance(repo, channel.briefing.get("digests") or {}), channel.tampered)
 
     def check():
+        if not tracing_guarded(guards):
+            channel.tampered("the runner's guard on trace functions removed")
         if state["baseline"] is None:
             return
         changed = _changed(state["baseline"], _identity_fingerprint(state["classes"], []))
@@ -1748,7 +2159,9 @@ def main(argv):
     elif mode == "candidate":
         candidate_worker(int(options["--fd-in"][0]), int(options["--fd-out"][0]))
     elif mode == "pytest":
-        pytest_runner(int(options["--report-fd"][0]), options.get("--path", []), positional)
+        pytest_runner(
+            int(options["--report-fd"][0]), options.get("--path", []), positional, (options.get("--pycache") or [""])[0]
+        )
     elif mode == "django":
         django_runner(int(options["--report-fd"][0]), positional)
     elif mode == "sympy":

@@ -164,21 +164,23 @@ def resolution_status(report: Report) -> str:
     return NO
 
 
-def _rank(status: str | None) -> int:
+def _rank(status: str | None, strict: bool = False) -> int:
+    if strict and status == PASSED:
+        return 3
     return 2 if status in _PASSING else 1 if status == SKIPPED else 0
 
 
 def cross_check(
-    trusted: Mapping[str, str], logged: Mapping[str, str], tests: Iterable[str]
+    trusted: Mapping[str, str], logged: Mapping[str, str], tests: Iterable[str], *, strict: bool = False
 ) -> tuple[StatusMap, list[str]]:
     """Combine the outcomes a trusted channel reported with the log's, for the selected tests.
 
     Returns the status map to grade with and the anomalies. Where the log says
     better of a selected test than the trusted channel (PASSED or XFAIL over
-    SKIPPED over anything else) that is an anomaly, a forged line, and the
-    trusted status is kept (nothing, when the channel reported none). Elsewhere
-    the log's status stands, so an honest run grades exactly as swebench
-    grades its log."""
+    SKIPPED over anything else; `strict`: PASSED over XFAIL too) that is an
+    anomaly, a forged line, and the trusted status is kept (nothing, when the
+    channel reported none). Elsewhere the log's status stands, so an honest run
+    grades exactly as swebench grades its log."""
     combined: StatusMap = dict(logged)
     anomalies: list[str] = []
     for test in tests:
@@ -186,7 +188,7 @@ def cross_check(
         logged_status = logged[key] if key is not None else None
         trusted_key = _resolve_case(test, trusted)
         trusted_status = trusted[trusted_key] if trusted_key is not None else None
-        if key is None or _rank(logged_status) <= _rank(trusted_status):
+        if key is None or _rank(logged_status, strict) <= _rank(trusted_status, strict):
             continue
         anomalies.append(
             f"the log says {logged_status} for {test}, the test run reported {trusted_status or 'nothing'}"
@@ -196,3 +198,23 @@ def cross_check(
         else:
             combined[key] = trusted_status
     return combined, anomalies
+
+
+def strict_report(status_map: Mapping[str, str], fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]) -> Report:
+    """Each selected test a success only if it PASSED: an XFAIL, an XPASS or a skip is a
+    failure, in FAIL_TO_PASS and PASS_TO_PASS alike, whoever triggered it. (swebench's
+    tests_report counts XFAIL as a pass and keeps a skipped PASS_TO_PASS test, so code
+    under test that calls pytest.xfail() or pytest.skip() would resolve there.)"""
+
+    def split(cases: Iterable[str]) -> dict[str, list[str]]:
+        outcome: dict[str, list[str]] = {"success": [], "failure": []}
+        for case in cases:
+            outcome["success" if status_of(case, status_map) == PASSED else "failure"].append(case)
+        return outcome
+
+    return {
+        F2P: split(fail_to_pass),
+        P2P: split(pass_to_pass),
+        F2F: {"success": [], "failure": []},
+        P2F: {"success": [], "failure": []},
+    }
