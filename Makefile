@@ -11,7 +11,7 @@ export PYTHON
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo train-demo clean-containers bench bench-sandbox bench-llm bench-load bench-cluster bench-feed
+.PHONY: setup setup-host setup-python images proto proto-check lint lint-proto test test-without-podman test-integration test-e2e test-all demo train-demo clean-containers bench bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-throughput
 
 setup: setup-host setup-python images
 
@@ -74,7 +74,7 @@ test-all: setup proto-check lint test-without-podman
 	$(PYTEST) -q --durations=15
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
-bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed
+bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-throughput
 
 bench-sandbox: setup
 	$(PIP) install --quiet -e '.[bench]'
@@ -95,6 +95,10 @@ bench-cluster: setup
 # server's RSS without a subscriber and with a slow one (no Podman: fake sandboxes, scripted LLM).
 bench-feed: setup
 	$(PYTHON) bench/feed.py
+
+# Jobs/s with and without sandbox reuse, against Podman's container floor in the same run.
+bench-throughput: setup
+	$(PYTHON) bench/throughput.py
 
 demo: setup
 	$(PYTHON) -m prorl_server demo --out demo_trajectories.jsonl
