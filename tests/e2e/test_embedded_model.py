@@ -112,7 +112,7 @@ def test_demo_command_writes_one_line_per_rollout(tmp_path: Path) -> None:
     """The README's demo command, on two tasks."""
     out = tmp_path / "trajectories.jsonl"
     completed = subprocess.run(
-        [sys.executable, "-m", "prorl_server", "demo", "--limit", "2", "--max-turns", "2", "--out", str(out),
+        [sys.executable, "-m", "prorl_server", "demo", "--no-reference", "--limit", "2", "--max-turns", "2", "--out", str(out),
          "--set", f"server.instance_id={instance_id('demo')}", "--log-level", "warning"],
         capture_output=True, text=True, timeout=600, cwd="/",
     )  # fmt: skip
@@ -196,4 +196,4 @@ async def test_prorl_run_over_a_mixed_dataset(start_server, tmp_path: Path) -> N
 
     assert len(out.read_text().splitlines()) == 10
     assert len((await client.list_jobs(page_size=1000)).jobs) == jobs_before  # no new job
-    assert "0 rollouts written" in stderr
+    assert "nothing to run: every rollout is already done" in stderr
