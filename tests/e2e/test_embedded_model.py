@@ -112,8 +112,8 @@ def test_demo_command_writes_one_line_per_rollout(tmp_path: Path) -> None:
     """The README's demo command, on two tasks."""
     out = tmp_path / "trajectories.jsonl"
     completed = subprocess.run(
-        [sys.executable, "-m", "prorl_server", "demo", "--no-reference", "--limit", "2", "--max-turns", "2", "--out", str(out),
-         "--set", f"server.instance_id={instance_id('demo')}", "--log-level", "warning"],
+        [sys.executable, "-m", "prorl_server", "demo", "--no-reference", "--limit", "2", "--max-turns", "2",
+         "--out", str(out), "--set", f"server.instance_id={instance_id('demo')}", "--log-level", "warning"],
         capture_output=True, text=True, timeout=600, cwd="/",
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
