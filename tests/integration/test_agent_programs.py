@@ -84,6 +84,7 @@ def command_request(instance: dict[str, Any]) -> v1.RolloutRequest:
 async def fake_vllm(tmp_path: Path) -> AsyncIterator[tuple[FakeVLLM, Path]]:
     folder = write_tiny_tokenizer(tmp_path / "tok")
     server = FakeVLLM(folder, lambda prompt: "")
+    server.max_model_len = 65536  # a byte-level tokenizer: prompts and patches are long in tokens
     await server.start()
     yield server, folder
     await server.stop()
