@@ -167,8 +167,8 @@ class _Checker:
     async def reply(self) -> dict[str, Any] | None:
         """The reply to the request sent; None when the process ended without one."""
         reply = await self._read()
-        if reply is not None:
-            self.rss_mib = float(reply.get("rss_mib", 0.0))
+        if reply is not None and "rss_mib" in reply:
+            self.rss_mib = float(reply["rss_mib"])
         return reply
 
     def kill_now(self) -> None:
@@ -229,11 +229,12 @@ class CheckerPool:
         self.loop = self.loop or asyncio.get_running_loop()
         await self._slots.acquire()
         try:
+            request = {"check": name, "args": args, "time_limit_s": self.settings.time_limit_s}
             checker = await self._checker()
-            if not await checker.send({"check": name, "args": args, "time_limit_s": self.settings.time_limit_s}):
+            if not await self._hand(checker, request):
                 self._discard(checker)  # it died idle: not this answer's doing, a fresh one checks it
                 checker = await _Checker.start(self.settings.memory_limit_mib)
-                if not await checker.send({"check": name, "args": args, "time_limit_s": self.settings.time_limit_s}):
+                if not await self._hand(checker, request):
                     self._discard(checker)
                     raise CheckerError("a fresh checker process did not take its check")
             return await self._run(checker, name, what)
@@ -248,6 +249,21 @@ class CheckerPool:
                 return checker
             self._discard(checker)
         return await _Checker.start(self.settings.memory_limit_mib)
+
+    async def _hand(self, checker: _Checker, request: dict[str, Any]) -> bool:
+        """Send `request` and wait for the process's receipt; False when it ended first (it was
+        dead or died before reading: whatever killed it was not this answer)."""
+        if not await checker.send(request):
+            return False
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                receipt = await checker.reply()
+        except TimeoutError:
+            return False
+        except BaseException:
+            self._discard(checker, killed=True)
+            raise
+        return receipt is not None and bool(receipt.get("received"))
 
     async def _run(self, checker: _Checker, name: str, what: str) -> Any:
         """The reply to the check `checker` was sent; it goes back to the idle list or is killed."""

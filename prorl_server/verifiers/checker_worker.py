@@ -123,6 +123,9 @@ def main(argv: list[str]) -> int:
     os.nice(NICENESS)
     replies.write(frame({"ready": True, "rss_mib": _rss_mib()}))
     while (request := read_frame(requests)) is not None:
+        # The receipt tells the server the request arrived: a process that dies before it
+        # died idle (not the answer's doing), one that dies after it died checking.
+        replies.write(frame({"received": True}))
         reply = _answer(CHECKS, request)
         try:
             reply["rss_mib"] = _rss_mib()

@@ -208,6 +208,9 @@ async def test_stored_results_are_reported_and_a_new_run_id_gives_fresh_samples(
     assert (await prorl(*args))[0] == 0
     asked = len(served.backend.requests)
     out.unlink()  # a user deletes the output to sample again
+    # prorl run tells an earlier run's job by its queue time: over 1 s (its clock-skew slack)
+    # before this run started. A user's rerun is never quicker than that; this one could be.
+    await asyncio.sleep(1.2)
 
     code, _, err = await prorl(*args)
 
