@@ -86,9 +86,9 @@ test-e2e:
 	$(PYTEST) -m "e2e or slow" -q
 
 # Everything CI runs: set-up, generated-code check, lint, the fast suite without
-# Podman, then every test (with the slowest listed: how far they are from pytest's timeout).
+# Podman, then every other test (with the slowest listed: how far they are from pytest's timeout).
 test-all: setup setup-vllm proto-check lint test-without-podman
-	$(PYTEST) -q --durations=15
+	$(PYTEST) -m "podman or e2e or slow or postgres or vllm" -q --durations=25
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
 bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification
