@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from generated import write_or_check  # scripts/generated.py
+
 import prorl_client
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,15 +81,7 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--check" in argv:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(ROOT)} is stale: run python scripts/gen_client_reference.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(ROOT)}", file=sys.stderr)
-    return 0
+    return write_or_check(OUT, render(), argv, root=ROOT, script="gen_client_reference.py")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from generated import write_or_check  # scripts/generated.py
 from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
@@ -175,15 +176,7 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--check" in argv:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(ROOT)} is stale: run python scripts/gen_example_config.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(ROOT)}", file=sys.stderr)
-    return 0
+    return write_or_check(OUT, render(), argv, root=ROOT, script="gen_example_config.py")
 
 
 if __name__ == "__main__":
