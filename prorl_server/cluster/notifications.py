@@ -46,7 +46,6 @@ class Notifications:
         self._conn: asyncpg.Connection | None = None
         self._task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
-        self.reconnections = 0
 
     def on(self, channel: str, callback: Callback) -> None:
         """Call `callback(payload)` for each notification on `channel`, and with "" after
@@ -118,7 +117,6 @@ class Notifications:
                 pause = min(pause * 2, RECONNECT_S[1])
                 continue
             pause = RECONNECT_S[0]
-            self.reconnections += 1
             log.info("cluster_notifications_reconnected")
             self._wake_everyone()
 

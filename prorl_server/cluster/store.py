@@ -457,9 +457,6 @@ class ClusterStore(PostgresJobStore):
         rows = await self.pool.fetch("SELECT status, count(*) AS n FROM jobs GROUP BY status")
         return {row["status"]: row["n"] for row in rows}
 
-    async def ping(self) -> None:
-        await self.pool.fetchval("SELECT 1")
-
     @staticmethod
     async def _row(conn: Conn, job_id: str) -> JobRow | None:
         row = await conn.fetchrow(f"SELECT {JOB_COLUMNS} FROM jobs WHERE job_id = $1", job_id)

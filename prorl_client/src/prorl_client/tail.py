@@ -32,10 +32,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
 import grpc
 
@@ -70,7 +70,6 @@ FLUSH_DEFAULTS = {"jsonl": (100, 1.0), "parquet": (1000, 30.0)}
 # Responses read ahead of the writer; beyond it the stream waits (gRPC flow control), so a
 # slow disk shows on the server as a slow consumer rather than as memory here.
 READ_AHEAD = 256
-T = TypeVar("T")
 
 
 # --- Progress --------------------------------------------------------------------------
@@ -149,10 +148,6 @@ class TailOptions:
 Item = v1.FeedEvent | Exception
 
 
-class _Stopped(Exception):
-    """A stop was asked for while waiting on the server."""
-
-
 class Tail:
     """Reads the feed ahead in one task, writes and saves in another (`run`), so the writer
     can wait at once for an item of the feed, its next flush and a request to stop."""
@@ -197,8 +192,6 @@ class Tail:
         self._stopping = stopping = asyncio.ensure_future(stop.wait())
         try:
             await self._follow(stopping, resumed is not None)
-        except _Stopped:
-            pass
         finally:
             for task in (self._reader, self._getter, stopping):
                 if task is not None:
@@ -302,19 +295,6 @@ class Tail:
         self.pending += 1
         self.display.record(item.store_time.ToNanoseconds() / 1e9)
         return True
-
-    async def _unless_stopped(self, work: Awaitable[T]) -> T:
-        """`work`'s result; _Stopped if a stop is asked for first (a server that is away must
-        not hold up SIGTERM for the minutes of its retries)."""
-        assert self._stopping is not None
-        task = asyncio.ensure_future(work)
-        await asyncio.wait({task, self._stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise _Stopped
-        return task.result()
 
     async def _save(self, *, force: bool = False) -> None:
         """Make the output durable, then record in the cursor file how far it goes."""
