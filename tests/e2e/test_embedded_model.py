@@ -12,7 +12,7 @@ import pytest
 from prorl_client import v1
 from tests import chromium
 from tests.conftest import instance_id
-from tests.helpers import math_request
+from tests.helpers import assert_eventually, math_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.podman]
 
@@ -65,25 +65,50 @@ async def test_four_math_rollouts_on_the_embedded_model(start_server) -> None:
         assert job.result == result
 
 
+def own_seconds(result: v1.RolloutResult) -> float:
+    """The job's phases less its wait for a model slot: what its budget counts."""
+    timing = result.timing
+    phases = sum(d.ToNanoseconds() for d in (timing.init, timing.run, timing.eval))
+    return (phases - timing.model_wait.ToNanoseconds()) / 1e9
+
+
 async def test_six_jobs_on_the_one_cpu_model_share_it_and_no_budget_pays_for_the_wait(start_server) -> None:
-    """Six math jobs with 20 s of budget on the embedded model, whose one slot serves a turn
-    at a time. None ends TIMED_OUT for time spent waiting for the model (a job may still use
-    up its budget with its own init, tools and model turns: on a loaded machine it does), and
-    their turns interleave (a job ending a turn queues behind the others): it used to serve
-    whole trajectories one after another, and time out the last ones with 0 turns."""
-    _, client = await start_server(None, phases={"init": 6, "run": 6, "eval": 6})
-    requests = []
-    for index in range(6):
-        request = math_request(f"What is {index} + 40? Use python.", str(index + 40), job_id=f"share-{index}")
-        request.limits.max_turns = 4
-        request.limits.budget.FromSeconds(20)
-        request.sampling.max_tokens = 96
-        request.sampling.temperature = 0.7
-        request.sampling.seed = index
-        requests.append(request)
+    """Six math jobs on the embedded model, whose one slot serves a turn at a time. None ends
+    TIMED_OUT for time spent waiting for the model (a job may still use up its budget with
+    its own init, tools and model turns), and their turns interleave (a job ending a turn
+    queues behind the others): it used to serve whole trajectories one after another, and
+    time out the last ones with 0 turns.
+
+    The budget is set from one job run alone first, at 2.5 times its own time (at least
+    20 s): each of six jobs waits for about five others' turns, so a budget that counted the
+    wait would run out, while the jobs' own time fits on a machine of any speed. The
+    sandboxes are warm before the jobs come (the budget covers init too)."""
+    warm = {"size": 6, "cpus": 1.0, "memory_mib": 256, "pids_limit": 64}
+    _, client = await start_server(None, phases={"init": 6, "run": 6, "eval": 6}, sandbox={"warm_pools": [warm]})
+
+    async def pool_full() -> bool:
+        (pool,) = (await client.get_stats()).pools
+        return pool.warm == 6
+
+    def request(index: int, budget_s: int) -> v1.RolloutRequest:
+        made = math_request(f"What is {index} + 40? Use python.", str(index + 40), job_id=f"share-{index}")
+        made.sandbox.cpus, made.sandbox.memory_mib, made.sandbox.pids_limit = 1.0, 256, 64
+        made.limits.max_turns = 4
+        made.limits.budget.FromSeconds(budget_s)
+        made.sampling.max_tokens = 96
+        made.sampling.temperature = 0.7
+        made.sampling.seed = index
+        return made
+
+    await assert_eventually(pool_full, timeout_s=600, message="the warm pool did not fill")
+    alone = [e async for e in client.rollout_many([request(99, 1800)])][-1].finished.result
+    assert alone.status == v1.JOB_STATUS_SUCCEEDED, alone.failure
+    budget_s = max(20, round(2.5 * own_seconds(alone)))
+    await assert_eventually(pool_full, timeout_s=600, message="the warm pool did not refill")
+
     turns: list[tuple[str, v1.ModelTurn]] = []
     results: dict[str, v1.RolloutResult] = {}
-    async for item in client.rollout_many(requests):
+    async for item in client.rollout_many([request(index, budget_s) for index in range(6)]):
         assert isinstance(item, v1.RolloutEvent), f"rejected: {item}"
         if item.HasField("model_turn"):
             turns.append((item.job_id, item.model_turn))
@@ -92,20 +117,19 @@ async def test_six_jobs_on_the_one_cpu_model_share_it_and_no_budget_pays_for_the
 
     assert len(results) == 6
     for result in results.values():  # a policy failure for time it spent waiting is what must not happen
-        timing = result.timing
-        phases = sum(d.ToNanoseconds() for d in (timing.init, timing.run, timing.eval))
-        own_s = (phases - timing.model_wait.ToNanoseconds()) / 1e9
         if result.failure.reason == "budget_exceeded":  # only where its own time (init, tools, model) used it up
-            assert own_s >= 20 - 0.05, (own_s, result.failure)
-            assert timing.model_wait.ToNanoseconds() == 0 or "waiting for a model slot" in result.failure.message
-    # The jobs waited for the model (their own bar, not the budget's).
-    assert any(result.timing.model_wait.ToNanoseconds() > 0 for result in results.values())
+            assert own_seconds(result) >= budget_s - 0.05, (own_seconds(result), result.failure)
+            assert result.timing.model_wait.ToNanoseconds() == 0 or "waiting for a model slot" in result.failure.message
+    # The jobs waited for the model (their own bar, not the budget's): enough that a budget
+    # counting the wait would have ended at least one of them.
+    assert any(own_seconds(r) + r.timing.model_wait.ToNanoseconds() / 1e9 > budget_s for r in results.values())
     assert all(turn.model_wait.ToNanoseconds() >= 0 for _, turn in turns)
     # Interleaved: jobs with several turns do not have them back to back in the model's order.
     order = [job for job, _ in turns]
     runs = [job for index, job in enumerate(order) if index == 0 or order[index - 1] != job]
     several = {job for job in order if order.count(job) > 1}
-    assert several and len(runs) > len(set(order)), order
+    outcomes = {job: (v1.JobStatus.Name(r.status), r.failure.reason, r.failure.message) for job, r in results.items()}
+    assert several and len(runs) > len(set(order)), (order, outcomes)
 
 
 def test_demo_command_writes_one_line_per_rollout(tmp_path: Path) -> None:
