@@ -13,7 +13,9 @@ the same settings (`verifier.processes` = --processes, `verifier.time_limit_s` =
    `\\boxed{9^{9^{8}}}`, the hostile ones first (the worst order for the right ones).
 
 On each, after a warm-up job per family: GetStats called every 50 ms over its own channel
-while the batch runs (latency p50 and max); the right answers' job time (submitted to
+while the batch runs (latency p50 and max, over the whole batch and over the part once every
+job has reached its eval phase, when only checks run: before it, the fake provider starts
+every job's sandbox runtime as a local process from the server's event loop); the right answers' job time (submitted to
 finished, p50 and max); the server's VmRSS from /proc every 0.1 s: start (after the warm-up),
 peak, end (the batch done, --settle s later). Checks (exit status 1 when one fails): every
 right answer scores 1; every hostile one ends FAILED, POLICY, `verification_timeout`; the
@@ -144,6 +146,10 @@ def rss_mib(pid: int) -> float:
 class Run:
     label: str
     stats_s: list[float] = field(default_factory=list)
+    stats_at: list[float] = field(default_factory=list)
+    """When each GetStats call began (perf_counter)."""
+    all_in_eval_at: float = float("inf")
+    """When the last job of the batch reached its eval phase (from then on only checks run)."""
     right_s: list[float] = field(default_factory=list)
     rss: list[float] = field(default_factory=list)
     tree: Path = ROOT
@@ -172,12 +178,19 @@ async def start_server(
                 return process, line.split()[-1]
 
 
-async def run_batch(client: Client, requests: list[v1.RolloutRequest]) -> dict[str, tuple[v1.RolloutResult, float]]:
+async def run_batch(
+    client: Client, requests: list[v1.RolloutRequest], run: Run | None = None
+) -> dict[str, tuple[v1.RolloutResult, float]]:
     submitted = time.perf_counter()
     results: dict[str, tuple[v1.RolloutResult, float]] = {}
+    in_eval: set[str] = set()
     async for event in client.rollout_many(requests):
         if isinstance(event, v1.RolloutRejected):
             raise RuntimeError(f"rejected: {event}")
+        if event.HasField("phase_started") and event.phase_started.phase == v1.PHASE_EVAL:
+            in_eval.add(event.job_id)
+            if run is not None and len(in_eval) == len(requests):
+                run.all_in_eval_at = time.perf_counter()
         if event.HasField("finished"):
             results[event.job_id] = (event.finished.result, time.perf_counter() - submitted)
     return results
@@ -204,6 +217,7 @@ async def measure(label: str, tree: Path, requests: list[v1.RolloutRequest], arg
                 began = time.perf_counter()
                 await stats_client.get_stats()
                 run.stats_s.append(time.perf_counter() - began)
+                run.stats_at.append(began)
                 await asyncio.sleep(0.05)
 
         async def memory() -> None:
@@ -214,7 +228,7 @@ async def measure(label: str, tree: Path, requests: list[v1.RolloutRequest], arg
         samplers = [asyncio.create_task(stats()), asyncio.create_task(memory())]
         began = time.perf_counter()
         try:
-            results = await run_batch(client, requests)
+            results = await run_batch(client, requests, run)
         finally:
             run.wall_s = time.perf_counter() - began
             done.set()
@@ -277,12 +291,17 @@ async def main(args: argparse.Namespace) -> int:
             for name, tree in trees
         ]
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
-    print("\n| run | batch wall | GetStats p50 / max | right answers' job time p50 / max | server RSS start/peak/end |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "\n| run | batch wall | GetStats p50 / max | GetStats p50 / max once every job is in eval (only checks run) "
+        "| right answers' job time p50 / max | server RSS start/peak/end |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     for run in runs:
+        checking = [took for took, at in zip(run.stats_s, run.stats_at, strict=True) if at >= run.all_in_eval_at]
         print(
             f"| {run.label} | {run.wall_s:.1f} s | {ms(run.stats_s, 50)} / {ms(run.stats_s, 100)} ms "
-            f"(n={len(run.stats_s)}) | {ms(run.right_s, 50)} / {ms(run.right_s, 100)} ms | "
+            f"(n={len(run.stats_s)}) | {ms(checking, 50)} / {ms(checking, 100)} ms (n={len(checking)}) | "
+            f"{ms(run.right_s, 50)} / {ms(run.right_s, 100)} ms | "
             f"{run.start_mib:.0f} / {max(run.rss, default=0):.0f} / {run.end_mib:.0f} MiB |"
         )
     for run in runs:
