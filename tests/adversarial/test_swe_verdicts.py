@@ -356,7 +356,7 @@ _prorl_forge()
 def steal_the_key(instance: dict[str, Any]) -> str:
     """Take the run key and the report pipe out of the report function's closure (found
     through the garbage collector) and write a whole passing stream on the pipe directly, with
-    the passes printed, then exit 0: the known gap (docs/reliability.md, "Residual risk")."""
+    the passes written into the log past pytest's capture, then exit 0: the known gap (docs/reliability.md, "Residual risk")."""
     return f"""
 def _prorl_steal(tests={selected(instance)!r}):
     import gc, json, os, struct, types
@@ -383,8 +383,13 @@ def _prorl_steal(tests={selected(instance)!r}):
             frame({{"kind": "report", "nodeid": test, "when": when, "outcome": "passed", "xfail": False, "sub": False}})
     frame({{"kind": "finished", "exitstatus": 0}})
     frame({{"kind": "exit", "code": 0}})
-    for test in tests:
-        print("PASSED " + test)
+    summary = "".join("PASSED %s\\n" % test for test in tests).encode()
+    for name in os.listdir("/proc/self/fd"):  # the log, past pytest's capture of stdout
+        try:
+            if os.readlink("/proc/self/fd/" + name).endswith(".log"):
+                os.write(int(name), summary)
+        except OSError:
+            pass
     os._exit(0)
 
 
