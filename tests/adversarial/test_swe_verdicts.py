@@ -355,8 +355,9 @@ _prorl_forge()
 
 def steal_the_key(instance: dict[str, Any]) -> str:
     """Take the run key and the report pipe out of the report function's closure (found
-    through the garbage collector) and write a whole passing stream on the pipe directly, with
-    the passes written into the log past pytest's capture, then exit 0: the known gap (docs/reliability.md, "Residual risk")."""
+    through the garbage collector), write a whole passing stream on the pipe directly and the
+    passes into the log past pytest's capture, then exit 0: the known gap (docs/reliability.md,
+    "Residual risk")."""
     return f"""
 def _prorl_steal(tests={selected(instance)!r}):
     import gc, json, os, struct, types
