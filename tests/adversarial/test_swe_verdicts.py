@@ -324,26 +324,40 @@ _threading.Thread(target=_prorl_later, daemon=True).start()
 """
 
 
-def call_the_reporter(instance: dict[str, Any]) -> str:
-    """Call the runner's own report function (found through the garbage collector) with a
-    whole passing run, print the passes, and exit."""
-    return f"""
-def _prorl_forge(tests={selected(instance)!r}):
-    import gc, os, types
-    sends = [
+# The runner's report function, found through the garbage collector, and a whole passing run
+# written with a function that sends one frame.
+FIND_REPORTER = """
+def _prorl_reporter():
+    import gc, types
+    return next((
         o for o in gc.get_objects()
         if isinstance(o, types.FunctionType) and o.__name__ == "send"
         and o.__code__.co_filename.endswith("prorl_judge.py")
-    ]
-    if not sends:
-        return
-    send = sends[0]
-    send({{"kind": "collected", "nodeids": tests}})
+    ), None)
+
+
+def _prorl_passing_run(send, tests):
+    send({"kind": "collected", "nodeids": tests})
     for test in tests:
         for when in ("setup", "call", "teardown"):
-            send({{"kind": "report", "nodeid": test, "when": when, "outcome": "passed", "xfail": False, "sub": False}})
-    send({{"kind": "finished", "exitstatus": 0}})
-    send({{"kind": "exit", "code": 0}})
+            send({"kind": "report", "nodeid": test, "when": when, "outcome": "passed", "xfail": False, "sub": False})
+    send({"kind": "finished", "exitstatus": 0})
+    send({"kind": "exit", "code": 0})
+"""
+
+
+def call_the_reporter(instance: dict[str, Any]) -> str:
+    """Call the runner's own report function with a whole passing run, print the passes,
+    and exit."""
+    return (
+        FIND_REPORTER
+        + f"""
+def _prorl_forge(tests={selected(instance)!r}):
+    import os
+    send = _prorl_reporter()
+    if send is None:
+        return
+    _prorl_passing_run(send, tests)
     for test in tests:
         print("PASSED " + test)
     os._exit(0)
@@ -351,24 +365,22 @@ def _prorl_forge(tests={selected(instance)!r}):
 
 _prorl_forge()
 """
+    )
 
 
 def steal_the_key(instance: dict[str, Any]) -> str:
-    """Take the run key and the report pipe out of the report function's closure (found
-    through the garbage collector), write a whole passing stream on the pipe directly and the
-    passes into the log past pytest's capture, then exit 0: the known gap (docs/reliability.md,
-    "Residual risk")."""
-    return f"""
+    """Take the run key and the report pipe out of the report function's closure, write a
+    whole passing run on the pipe directly and the passes into the log past pytest's capture,
+    then exit 0: the known gap (docs/reliability.md, "Residual risk")."""
+    return (
+        FIND_REPORTER
+        + f"""
 def _prorl_steal(tests={selected(instance)!r}):
-    import gc, json, os, struct, types
-    sends = [
-        o for o in gc.get_objects()
-        if isinstance(o, types.FunctionType) and o.__name__ == "send"
-        and o.__code__.co_filename.endswith("prorl_judge.py")
-    ]
-    if not sends:
+    import json, os, struct
+    send = _prorl_reporter()
+    if send is None:
         return
-    cells = dict(zip(sends[0].__code__.co_freevars, (cell.cell_contents for cell in sends[0].__closure__)))
+    cells = dict(zip(send.__code__.co_freevars, (cell.cell_contents for cell in send.__closure__)))
     key, fd = cells["key"], cells["report_fd"]
 
     def frame(message):
@@ -378,12 +390,7 @@ def _prorl_steal(tests={selected(instance)!r}):
         while data:
             data = data[os.write(fd, data):]
 
-    frame({{"kind": "collected", "nodeids": tests}})
-    for test in tests:
-        for when in ("setup", "call", "teardown"):
-            frame({{"kind": "report", "nodeid": test, "when": when, "outcome": "passed", "xfail": False, "sub": False}})
-    frame({{"kind": "finished", "exitstatus": 0}})
-    frame({{"kind": "exit", "code": 0}})
+    _prorl_passing_run(frame, tests)
     summary = "".join("PASSED %s\\n" % test for test in tests).encode()
     for name in os.listdir("/proc/self/fd"):  # the log, past pytest's capture of stdout
         try:
@@ -396,6 +403,7 @@ def _prorl_steal(tests={selected(instance)!r}):
 
 _prorl_steal()
 """
+    )
 
 
 # Not in ATTACKS: no judge inside the test process can refuse it (its test is a strict xfail).
