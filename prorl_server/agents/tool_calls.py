@@ -134,13 +134,34 @@ class _Calls:
         self.calls.append(ParsedCall(self._id(), name, arguments or {}, arguments_json, False, error))
 
     def add_object(
-        self, value: Any, raw: str, *, arguments_keys: tuple[str, ...] = ("arguments", "parameters")
+        self,
+        value: Any,
+        raw: str,
+        *,
+        name_key: str = "name",
+        arguments_keys: tuple[str, ...] = ("arguments", "parameters"),
+        what: str = "tool call",
     ) -> None:
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            self.bad(raw, 'the tool call has no "name"')
+        if not isinstance(value, dict) or not isinstance(value.get(name_key), str):
+            self.bad(raw, f'the {what} has no "{name_key}"')
             return
         raw_arguments: Any = next((value[key] for key in arguments_keys if key in value), {})
-        self.add(value["name"], raw_arguments)
+        self.add(value[name_key], raw_arguments)
+
+    def add_objects(self, value: Any, **keys: Any) -> None:
+        """Each call of a JSON list of call objects (or the one object)."""
+        for item in value if isinstance(value, list) else [value]:
+            self.add_object(item, json.dumps(item), **keys)
+
+    def json_at(self, text: str, what: str) -> tuple[bool, Any]:
+        """(True, the JSON value at the start of `text`), or (False, None) with a format error
+        saying that `what` is not valid JSON."""
+        try:
+            value, _ = _json_prefix(text)
+        except json.JSONDecodeError as exc:
+            self.bad(text.strip(), f"{what} ({exc.msg})")
+            return False, None
+        return True, value
 
     def _id(self) -> str:
         return call_id(self.prefix, len(self.calls))
@@ -187,24 +208,17 @@ def _mistral(text: str, calls: _Calls) -> None:
     for chunk in text.split("[TOOL_CALLS]")[1:]:
         body = chunk.strip()
         if body.startswith("["):
-            try:
-                value, _ = _json_prefix(body)
-            except json.JSONDecodeError as exc:
-                calls.bad(body, f"the tool calls are not a valid JSON list ({exc.msg})")
-                continue
-            for item in value if isinstance(value, list) else [value]:
-                calls.add_object(item, json.dumps(item))
+            read, value = calls.json_at(body, "the tool calls are not a valid JSON list")
+            if read:
+                calls.add_objects(value)
             continue
         name, sep, rest = body.partition("[ARGS]")  # the v11+ tokenizer: name[ARGS]{...}
         if not sep:
             calls.bad(body, "the call has no arguments")
             continue
-        try:
-            arguments, _ = _json_prefix(rest)
-        except json.JSONDecodeError as exc:
-            calls.bad(rest, f"the arguments are not valid JSON ({exc.msg})")
-            continue
-        calls.add(name.split("[CALL_ID]")[0].strip(), arguments)
+        read, arguments = calls.json_at(rest, "the arguments are not valid JSON")
+        if read:
+            calls.add(name.split("[CALL_ID]")[0].strip(), arguments)
 
 
 _PYTHONIC_START = re.compile(r"(?:<\|python_start\|>\s*)?\[\s*[A-Za-z_][\w.]*\s*\(")
@@ -248,15 +262,21 @@ _DEEPSEEK = re.compile(
 )
 
 
-def _deepseek_v3(text: str, calls: _Calls) -> None:
+def _deepseek_calls(pattern: re.Pattern[str], text: str, calls: _Calls) -> None:
+    """Each call in DeepSeek's tokens, `pattern` giving the name and the arguments; one call
+    begun but not in the layout makes the whole reply a format error."""
     if _DS_CALL_BEGIN not in text:
         return
-    found = list(_DEEPSEEK.finditer(text))
+    found = list(pattern.finditer(text))
     if len(found) < text.count(_DS_CALL_BEGIN):
         calls.bad(text[text.index(_DS_CALL_BEGIN) :], "a tool call is not in the expected layout")
         return
     for match in found:
-        calls.add(match.group(1).strip(), match.group(2))
+        calls.add(match.group(1).strip(), match.group(2).strip())
+
+
+def _deepseek_v3(text: str, calls: _Calls) -> None:
+    _deepseek_calls(_DEEPSEEK, text, calls)
 
 
 _HARMONY = re.compile(
@@ -302,14 +322,7 @@ _DS31 = re.compile(
 
 
 def _deepseek_v31(text: str, calls: _Calls) -> None:
-    if _DS_CALL_BEGIN not in text:
-        return
-    found = list(_DS31.finditer(text))
-    if len(found) < text.count(_DS_CALL_BEGIN):
-        calls.bad(text[text.index(_DS_CALL_BEGIN) :], "a tool call is not in the expected layout")
-        return
-    for match in found:
-        calls.add(match.group(1).strip(), match.group(2).strip())
+    _deepseek_calls(_DS31, text, calls)
 
 
 _GLM4 = re.compile(r"\A\s*([A-Za-z_][\w.-]*)[ \t]*\n\s*(?=\{)")
@@ -319,13 +332,9 @@ def _glm4(text: str, calls: _Calls) -> None:
     match = _GLM4.match(text)
     if match is None:
         return
-    rest = text[match.end() :]
-    try:
-        value, _ = _json_prefix(rest)
-    except json.JSONDecodeError as exc:
-        calls.bad(rest.strip(), f"the arguments are not valid JSON ({exc.msg})")
-        return
-    calls.add(match.group(1), value)
+    read, value = calls.json_at(text[match.end() :], "the arguments are not valid JSON")
+    if read:
+        calls.add(match.group(1), value)
 
 
 _GLM45_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -365,28 +374,16 @@ def _cohere(text: str, calls: _Calls) -> None:
     match = _COHERE.search(text)
     if match is None:
         return
-    rest = text[match.end() :]
-    try:
-        value, _ = _json_prefix(rest)
-    except json.JSONDecodeError as exc:
-        calls.bad(rest.strip(), f"the actions are not a valid JSON list ({exc.msg})")
-        return
-    for item in value if isinstance(value, list) else [value]:
-        if not isinstance(item, dict) or not isinstance(item.get("tool_name"), str):
-            calls.bad(json.dumps(item), 'the action has no "tool_name"')
-            continue
-        calls.add(item["tool_name"], item.get("parameters", {}))
+    read, value = calls.json_at(text[match.end() :], "the actions are not a valid JSON list")
+    if read:
+        calls.add_objects(value, name_key="tool_name", arguments_keys=("parameters",), what="action")
 
 
 def _granite(text: str, calls: _Calls) -> None:
     for chunk in text.split("<|tool_call|>")[1:]:
-        try:
-            value, _ = _json_prefix(chunk)
-        except json.JSONDecodeError as exc:
-            calls.bad(chunk.strip(), f"the tool calls are not a valid JSON list ({exc.msg})")
-            continue
-        for item in value if isinstance(value, list) else [value]:
-            calls.add_object(item, json.dumps(item))
+        read, value = calls.json_at(chunk, "the tool calls are not a valid JSON list")
+        if read:
+            calls.add_objects(value)
 
 
 PARSERS: dict[str, Callable[[str, _Calls], None]] = {
@@ -404,6 +401,36 @@ PARSERS: dict[str, Callable[[str, _Calls], None]] = {
     "granite": _granite,
 }
 assert tuple(PARSERS) == TOOL_CALL_PARSERS
+
+
+# Where the calls written in a reply are, per format, to cut them off the text a program sees:
+# blocks removed wherever they stand, or everything from where the calls start.
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
+_DS_START = re.compile(re.escape(_DS_CALLS_BEGIN) + "|" + re.escape(_DS_CALL_BEGIN))
+_BLOCKS: dict[str, re.Pattern[str]] = {"hermes": _TOOL_CALL_BLOCK, "glm45": _TOOL_CALL_BLOCK}
+_STARTS: dict[str, re.Pattern[str]] = {
+    "llama3_json": _LLAMA_START,
+    "mistral": re.compile(re.escape("[TOOL_CALLS]")),
+    "pythonic": _PYTHONIC_START,
+    "deepseek_v3": _DS_START,
+    "openai": re.compile(r"(?:<\|start\|>[^<]*)?(?:<\|channel\|>[^<]*)?to=functions\."),
+    "kimi_k2": re.compile(r"<\|tool_calls_section_begin\|>|<\|tool_call_begin\|>"),
+    "deepseek_v31": _DS_START,
+    "glm4": _GLM4,
+    "cohere": re.compile(r"Action:"),
+    "granite": re.compile(re.escape("<|tool_call|>")),
+}
+assert sorted([*_BLOCKS, *_STARTS]) == sorted(PARSERS)
+
+
+def text_without_calls(text: str, parser: str = "hermes") -> str:
+    """`text` without the tool calls written in it in the format `parser` names ("" = hermes)."""
+    parser = parser or "hermes"
+    block = _BLOCKS.get(parser)
+    if block is not None:
+        return block.sub("", text).strip()
+    match = _STARTS[parser].search(text)
+    return text[: match.start()].strip() if match is not None else text
 
 
 def parse_text(text: str, parser: str = "hermes", *, id_prefix: str = "call") -> list[ParsedCall]:

@@ -24,7 +24,6 @@ records.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -32,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from prorl_server.agents.base import ChatFn
-from prorl_server.agents.tool_calls import ParsedCall, from_api, parse_text
+from prorl_server.agents.tool_calls import ParsedCall, from_api, parse_text, text_without_calls
 from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
@@ -325,29 +324,6 @@ class Reply:
     """"stop", "length" or "tool_calls"."""
     prompt_tokens: int
     completion_tokens: int
-
-
-# Where the calls written in a reply start, per format (agents/tool_calls.py), to cut them off
-# the text the program sees. Hermes blocks are removed wherever they are.
-_HERMES_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
-_CALLS_START: dict[str, re.Pattern[str]] = {
-    "llama3_json": re.compile(r'(?:<\|python_tag\|>\s*)?\{\s*"(?:name|type)"\s*:'),
-    "mistral": re.compile(re.escape("[TOOL_CALLS]")),
-    "pythonic": re.compile(r"(?:<\|python_start\|>\s*)?\[\s*[A-Za-z_][\w.]*\s*\("),
-    "deepseek_v3": re.compile("<\uff5ctool\u2581calls?\u2581begin\uff5c>"),
-    "openai": re.compile(r"(?:<\|start\|>[^<]*)?(?:<\|channel\|>[^<]*)?to=functions\."),
-    "kimi_k2": re.compile(r"<\|tool_calls_section_begin\|>|<\|tool_call_begin\|>"),
-}
-
-
-def text_without_calls(text: str, parser: str) -> str:
-    """`text` without the tool calls written in it in the format `parser` names ("" = hermes)."""
-    parser = parser or "hermes"
-    if parser == "hermes":
-        return _HERMES_BLOCK.sub("", text).strip()
-    pattern = _CALLS_START.get(parser)
-    match = pattern.search(text) if pattern is not None else None
-    return text[: match.start()].strip() if match is not None else text
 
 
 def read_reply(result: ChatResult, *, parse_calls: bool, id_prefix: str) -> Reply:

@@ -1,33 +1,33 @@
-"""The checker process: runs answer checks for the server, one at a time, under hard limits.
+"""A checker process: runs answer checks for the server, one at a time, under hard limits.
 
-Started by `CheckerPool` as `python -m prorl_server.verifiers.checker_worker MEMORY_MIB`. It
-caps its address space (RLIMIT_AS: a check that needs more gets MemoryError), asks the
-kernel to kill it when the server dies, imports and warms up the checks (math-verify, sympy,
-pint) at the server's priority, so that their start-up never counts against a job's time
-and a replacement is ready soon, and then, before it reads any answer, lowers its priority
-(the server's event loop and sandboxes come first). Then it answers requests on
-stdin/stdout until stdin ends.
+Each checker is a fork of the template process (`checker_zygote.py`), which has imported
+and warmed up the checks (math-verify, sympy, pint) once, so that a replacement for a killed
+checker is ready in milliseconds and their start-up never counts against a job's time. Right
+after the fork (`run_forked`) a checker caps its address space (RLIMIT_AS: a check that needs
+more gets MemoryError), asks the kernel to kill it when the template dies (which dies with
+the server), and, before it reads any answer, lowers its priority (the server's event loop
+and sandboxes come first). Then it answers requests on its own socket until the socket ends.
 
-Frames are a 4-byte big-endian length and a JSON object. Request: `{"check": name, "args":
-{...}, "time_limit_s": s}`; reply: `{"result": ...}`, `{"error": "memory"}` (the process exits
-after it), `{"error": "recursion"}` or `{"error": "exception", "message": ...}` (a bug).
-Every reply carries `rss_mib`, so that the pool can retire a process a check left large.
-The pool kills the process when a check runs past its time; RLIMIT_CPU, re-armed before
-each check, is the backstop should the pool itself be unable to.
+Frames are a 4-byte big-endian length and a JSON object. First, unasked, `{"ready": true,
+"rss_mib": r, "template": pid}`. Request: `{"check": name, "args": {...}, "time_limit_s":
+s}`; the checker acks each at once with `{"received": true}` (a checker that dies before the
+receipt died idle, not of the answer), then replies `{"result": ...}`, `{"error": "memory"}`
+(the process exits after it), `{"error": "recursion"}` or `{"error": "exception", "message":
+...}` (a bug). Every reply carries `rss_mib`, so that the pool can retire a process a check
+left large. The pool kills the process when a check runs past its time; RLIMIT_CPU, re-armed
+before each check, is the backstop should the pool itself be unable to.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import logging
 import os
 import resource
 import signal
+import socket
 import struct
-import sys
 import traceback
-import warnings
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
@@ -59,14 +59,15 @@ def _rss_mib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when the server that started it dies (Linux), even mid-check."""
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when `parent`, the process that started it, dies (Linux), even
+    mid-check; exit at once if it is already gone."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: stdin's end still stops an idle process
         pass
-    if os.getppid() == 1:  # the server died before prctl took effect
+    if os.getppid() != parent:  # it died before prctl took effect (we were re-parented)
         os._exit(1)
 
 
@@ -102,41 +103,31 @@ def _answer(checks: dict[str, Callable[..., Any]], request: dict[str, Any]) -> d
         return {"error": "exception", "message": "".join(traceback.format_exception_only(exc)).strip()}
 
 
-def main(argv: list[str]) -> int:
-    _die_with_parent()
-    _limit(int(argv[1]))
-    requests = sys.stdin.buffer
-    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a library's print never corrupts a frame
+def run_forked(channel: socket.socket, memory_mib: int, *, parent: int) -> int:
+    """A freshly forked checker's life: its limits, then checks on `channel` until it ends.
+    The exit status to leave with."""
+    die_with_parent(parent)
+    _limit(memory_mib)
+    os.nice(NICENESS)  # every answer is checked below the server's priority
+    from prorl_server.verifiers.checks import CHECKS  # the template has it loaded: no import runs
 
-    logging.disable(logging.WARNING)  # math-verify logs every answer it cannot parse
-    warnings.simplefilter("ignore")
-    try:
-        from prorl_server.verifiers.checks import CHECKS, warm_up
+    requests = channel.makefile("rb")
 
-        warm_up()
-    except BaseException as exc:  # the server says why no checker could start
-        replies.write(frame({"ready": False, "error": "".join(traceback.format_exception_only(exc)).strip()}))
-        return 1
-    # Started at the server's priority (a replacement is ready sooner on a busy machine);
-    # every answer is checked at a lower one.
-    os.nice(NICENESS)
-    replies.write(frame({"ready": True, "rss_mib": _rss_mib()}))
+    def write(value: dict[str, Any]) -> None:
+        channel.sendall(frame(value))
+
+    write({"ready": True, "rss_mib": _rss_mib(), "template": parent})
     while (request := read_frame(requests)) is not None:
         # The receipt tells the server the request arrived: a process that dies before it
         # died idle (not the answer's doing), one that dies after it died checking.
-        replies.write(frame({"received": True}))
+        write({"received": True})
         reply = _answer(CHECKS, request)
         try:
             reply["rss_mib"] = _rss_mib()
-            replies.write(frame(reply))
+            write(reply)
         except MemoryError:
-            replies.write(frame({"error": "memory"}))
+            write({"error": "memory"})
             return 1
         if reply.get("error") == "memory":
             return 1  # whatever the check left behind goes with the process
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

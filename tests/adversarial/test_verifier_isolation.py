@@ -22,6 +22,7 @@ import pytest_asyncio
 
 from prorl_server.agents.base import classify
 from prorl_server.config import VerifierSettings
+from prorl_server.errors import InfrastructureError
 from prorl_server.verifiers.checker_pool import CheckerPool, VerificationFailed
 from prorl_server.verifiers.checker_worker import NICENESS
 from tests.helpers import assert_eventually
@@ -35,7 +36,7 @@ LIMIT_S = 5.0
 async def pool() -> AsyncIterator[CheckerPool]:
     checkers = CheckerPool(VerifierSettings(processes=2, time_limit_s=LIMIT_S, memory_limit_mib=1024))
     yield checkers
-    pids = checkers.pids
+    pids = [*checkers.pids, checkers.template_pid or 0]
     await checkers.close()
     assert not [pid for pid in pids if alive(pid)]
 
@@ -122,7 +123,8 @@ async def test_checker_processes_run_under_a_memory_limit_and_a_lower_priority(p
     address_space, nice, parent = process_limits(pid)
     assert address_space == [str(1024 << 20)] * 2  # soft and hard, in bytes
     assert nice == os.nice(0) + NICENESS
-    assert parent == os.getpid()
+    # a fork of the pool's template process, itself this process's child
+    assert parent == pool.template_pid and process_limits(parent)[2] == os.getpid()
 
 
 def process_limits(pid: int) -> tuple[list[str], int, int]:
@@ -140,3 +142,46 @@ async def test_a_checker_that_died_idle_is_replaced_without_blaming_the_next_ans
     await assert_eventually(lambda: not alive(pid), message=f"checker {pid} still runs after SIGKILL")
     assert await check_math(pool, "42")  # a right answer, in a fresh process, still scores
     assert pool.killed == 0
+
+
+def parent_of(pid: int) -> int:
+    return process_limits(pid)[2]
+
+
+async def test_a_killed_checkers_replacement_is_a_fork_of_the_loaded_template(pool: CheckerPool) -> None:
+    """The replacement imports nothing: it is forked from the one template process, which
+    imported the checks once (the pool starts no second one)."""
+    assert await check_math(pool, "42")
+    (first,) = pool.pids
+    template = pool.template_pid
+    assert template is not None and parent_of(first) == template and parent_of(template) == os.getpid()
+    task = asyncio.create_task(check_math(pool, HOSTILE))
+    await assert_eventually(lambda: not pool.pids, message="the check did not take the idle process")
+    os.kill(first, signal.SIGKILL)  # killed mid-check, as at a time limit
+    with pytest.raises(VerificationFailed):
+        await task
+    await assert_eventually(lambda: not alive(first), message=f"checker {first} still runs after SIGKILL")
+    assert await check_math(pool, "42")
+    (second,) = pool.pids
+    assert second != first and parent_of(second) == template
+    assert (pool.templates_started, pool.forks) == (1, 2)
+
+
+async def test_checkers_die_with_their_template_and_the_check_is_not_blamed_on_the_answer(pool: CheckerPool) -> None:
+    """The template killed (not the answer's doing) mid-check: its checker dies with it, the
+    check is an infrastructure failure, and the next check gets a new template."""
+    assert await check_math(pool, "42")
+    (checker,) = pool.pids
+    template = pool.template_pid
+    assert template is not None
+    task = asyncio.create_task(check_math(pool, HOSTILE))
+    await assert_eventually(lambda: not pool.pids, message="the check did not take the idle process")
+    os.kill(template, signal.SIGKILL)
+    with pytest.raises(InfrastructureError) as failed:
+        await task
+    assert not isinstance(failed.value, VerificationFailed)
+    info = classify(failed.value)
+    assert info.infrastructure, info
+    await assert_eventually(lambda: not alive(checker), message=f"checker {checker} outlived its template")
+    assert await check_math(pool, "42")
+    assert pool.templates_started == 2 and pool.template_pid not in (None, template)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from prorl_server.agents.tool_calls import PARSERS, call_id, format_hint, parse_text
-from prorl_server.llm.base import TOOL_CALL_PARSERS
+from prorl_server.agents.tool_calls import PARSERS, call_id, format_hint, parse_text, text_without_calls
+from prorl_server.gateway.common import read_reply
+from prorl_server.llm.base import TOOL_CALL_PARSERS, ChatResult
 
 DS_BEGIN = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"  # noqa: RUF001
 DS_END = "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"  # noqa: RUF001
@@ -173,3 +174,29 @@ def test_call_ids_are_nine_alphanumerics_as_mistral_requires() -> None:
 def test_granite_reads_phi4_minis_calls_too() -> None:
     calls = parse_text('<|tool_call|>[{"name": "bash", "arguments": {"command": "ls"}}]<|/tool_call|>', "granite")
     assert [(c.name, c.arguments, c.error) for c in calls] == [("bash", {"command": "ls"}, None)]
+
+
+@pytest.mark.parametrize("parser", [*CASES, *ONE_CALL])
+def test_the_text_without_calls_keeps_none_of_them(parser: str) -> None:
+    good = CASES[parser][0] if parser in CASES else ONE_CALL[parser][0]
+    rest = text_without_calls(good, parser)
+    assert parse_text(rest, parser) == [] and "bash" not in rest and "finish" not in rest, rest
+    plain = "The answer is 4. Nothing to run here {not json}."
+    assert text_without_calls(plain, parser) == plain
+
+
+PROSE = "Let me look at the files first."
+
+
+@pytest.mark.parametrize("parser", ["deepseek_v31", "glm45", "cohere", "granite", "glm4"])
+def test_a_gateway_program_gets_the_prose_and_the_calls_of_the_newer_formats(parser: str) -> None:
+    """Through the gateway's reading of a reply: the program sees the words the model wrote
+    and the calls as calls, never the format's markup (GLM-4's one call stands alone)."""
+    good = CASES[parser][0] if parser in CASES else ONE_CALL[parser][0]
+    for preamble in ("I will list the files, then answer.", "<think>List first.</think>"):
+        good = good.removeprefix(preamble).lstrip()
+    text = good if parser == "glm4" else f"{PROSE}\n{good}"
+    reply = read_reply(ChatResult(text, "stop", tool_call_parser=parser), parse_calls=True, id_prefix="t4")
+    names = [call.name for call in reply.calls]
+    assert names == (["bash"] if parser == "glm4" else ["bash", "finish"]), reply
+    assert reply.content == ("" if parser == "glm4" else PROSE), reply.content

@@ -53,7 +53,9 @@ Residual risk (swe): the code under test is imported into the pytest process
 itself, so it can in principle do anything that process can: rewrite its
 memory (the reporter, pytest, the test functions themselves), find the run
 key there, or call os.write on the report pipe. Nothing inside one process
-can prevent that. What raises the bar from "print a line" or "add a plugin"
+can prevent that (a stolen key and a whole passing stream written on the pipe
+resolve: tests/adversarial/test_swe_verdicts.py,
+test_a_stolen_run_key_still_forges_a_pass, a strict xfail). What raises the bar from "print a line" or "add a plugin"
 to deliberate in-process tampering with this file's internals:
 - the runner is non-dumpable, so the programs the tests start cannot attach
   to it, read its memory or open its pipe (a fork of it, made by code inside
