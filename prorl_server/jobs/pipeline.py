@@ -38,6 +38,7 @@ from prorl_server.llm.session import LLMSession
 from prorl_server.metrics import Metrics
 from prorl_server.sandbox.allocator import SandboxAllocator
 from prorl_server.sandbox.base import LABEL_JOB, Sandbox, SandboxSpec
+from prorl_server.verifiers.judge import ModelJudge
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +78,7 @@ class Pipeline:
         gateway_port: Callable[[], int | None] = lambda: None,
         gateway_host: str = "",
         gateway_limits: GatewaySettings | None = None,
+        judge: ModelJudge | None = None,
     ) -> None:
         """`gateways`: where jobs' model gateways are listed for the server's gateway port, whose
         number `gateway_port()` gives (None: not served outside the sandboxes), on `gateway_host`."""
@@ -89,6 +91,7 @@ class Pipeline:
         self._metrics = metrics
         self._sandboxes = sandboxes
         self._router = router
+        self._judge = judge
 
     @property
     def waiting(self) -> int:
@@ -136,6 +139,7 @@ class Pipeline:
             sandbox_factory=open_sandbox,
             recorder=recorder,
             model_gateway=model_gateway,
+            judge=self._judge.for_job(job.job_id) if self._judge is not None else None,
         )
 
     async def execute(self, job: JobRecord) -> None:
