@@ -10,7 +10,9 @@ tokens and `judge.timeout_s` seconds.
 
 Verdicts (`Judgement.verdict`):
 - `judged`: the reply was in the format; reward = the weighted scores in [0, 1];
-- `judge_unparseable`, `judge_refused`: reward 0, a verdict of the job's eval
+- `judge_unparseable`, `judge_refused`, `judge_echoed_answer` (every line of the
+  reply is a line of the answer: the judge copied grading lines the policy wrote):
+  reward 0, a verdict of the job's eval
   like any wrong answer (the job SUCCEEDS with reward 0: never an infrastructure
   failure a trainer would mask, never a pass);
 - `empty_answer`, `answer_too_long` (over `judge.max_answer_chars`, or over the
@@ -33,9 +35,11 @@ from prorl_server.errors import ContextLengthExceeded, InfrastructureError, LLME
 from prorl_server.llm.base import Sampling
 from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
-from prorl_server.verifiers.judge_prompt import Rubric, build_prompt, parse_reply, weighted_reward
+from prorl_server.verifiers.judge_prompt import Rubric, build_prompt, echoes_answer, parse_reply, weighted_reward
 
-Verdict = Literal["judged", "judge_unparseable", "judge_refused", "empty_answer", "answer_too_long"]
+Verdict = Literal[
+    "judged", "judge_unparseable", "judge_refused", "judge_echoed_answer", "empty_answer", "answer_too_long"
+]
 MAX_REPLY_CHARS_KEPT = 8000
 
 
@@ -191,6 +195,11 @@ class ModelJudge:
             judgement.verdict, judgement.reason = "judge_refused", parsed.reason
         elif parsed.kind == "unparseable":
             judgement.verdict, judgement.reason = "judge_unparseable", parsed.reason
+        elif echoes_answer(result.text, text):
+            judgement.verdict, judgement.reason = (
+                "judge_echoed_answer",
+                "every line of the reply is a line of the answer",
+            )
         else:
             judgement.scores = parsed.scores
             judgement.reward = weighted_reward(parsed.scores, rubric)

@@ -18,7 +18,10 @@ grading lines after it, to pad, to hedge. So:
   nothing else (an optional leading `<think>...</think>` block of a reasoning
   model is set aside), or the single line `REFUSED: <reason>`. Anything else is
   unparseable. Unparseable and refused are verdicts of their own, reward 0:
-  never a pass, and never an infrastructure failure a trainer would mask.
+  never a pass, and never an infrastructure failure a trainer would mask;
+- a reply whose every line is a line of the answer (grading lines the policy
+  wrote, copied by a judge it talked into it) is not a judgement either
+  (`echoes_answer`).
 """
 
 from __future__ import annotations
@@ -162,6 +165,17 @@ def parse_reply(reply: str, rubric: Rubric) -> ParsedReply:
             )
         scores[criterion.name] = int(match.group(1))
     return ParsedReply("scores", scores)
+
+
+def _normalised_lines(text: str) -> set[str]:
+    return {"".join(line.split()).lower() for line in text.splitlines() if line.strip()}
+
+
+def echoes_answer(reply: str, answer: str) -> bool:
+    """Whether every line of a scores reply is a line the answer itself carries: the judge copied
+    grading lines the policy wrote (a real model can be led to), rather than grading."""
+    lines = _normalised_lines(_THINK.sub("", reply, count=1))
+    return bool(lines) and lines <= _normalised_lines(answer)
 
 
 def weighted_reward(scores: dict[str, int], rubric: Rubric) -> float:
