@@ -33,7 +33,7 @@ from prorl_server.jobs.phase_runner import PhaseResult, PhaseRunner, PhaseTimes
 from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.record import JobPlan, JobRecord
 from prorl_server.jobs.uninterruptible import uninterruptible
-from prorl_server.llm.router import BackendRouter
+from prorl_server.llm.router import BackendRouter, WaitClock
 from prorl_server.llm.session import LLMSession
 from prorl_server.metrics import Metrics
 from prorl_server.sandbox.allocator import SandboxAllocator
@@ -98,7 +98,9 @@ class Pipeline:
         """Jobs waiting to start (for an init slot)."""
         return self._init_gate.queued
 
-    def _context(self, job: JobRecord, plan: JobPlan, session: LLMSession, chains: CallChains) -> RolloutContext[Any]:
+    def _context(
+        self, job: JobRecord, plan: JobPlan, session: LLMSession, chains: CallChains, clock: WaitClock
+    ) -> RolloutContext[Any]:
         async def open_sandbox() -> Sandbox:
             spec = SandboxSpec(
                 image=plan.image or "",
@@ -139,7 +141,7 @@ class Pipeline:
             sandbox_factory=open_sandbox,
             recorder=recorder,
             model_gateway=model_gateway,
-            judge=self._judge.for_job(job.job_id) if self._judge is not None else None,
+            judge=self._judge.for_job(job.job_id, wait_clock=clock) if self._judge is not None else None,
         )
 
     async def execute(self, job: JobRecord) -> None:
@@ -154,9 +156,9 @@ class Pipeline:
             program_sampling=bool(getattr(plan.instance, "program_chooses_sampling", False)),
             max_result_message_bytes=self._gateway_limits.max_result_message_bytes,
         )
-        ctx = self._context(job, plan, session, chains)
-        chains.on_call = ctx.recorder.model_turn
         outcome = _Outcome()
+        ctx = self._context(job, plan, session, chains, outcome.times.clock)
+        chains.on_call = ctx.recorder.model_turn
         self._router.wait_clocks[job.job_id] = outcome.times.clock
         try:
             if job.cancel_reason is not None:  # cancelled before it started to run

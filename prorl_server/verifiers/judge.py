@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol
 from prorl_server.config import JudgeSettings
 from prorl_server.errors import ContextLengthExceeded, InfrastructureError, LLMError
 from prorl_server.llm.base import Sampling
-from prorl_server.llm.router import BackendRouter
+from prorl_server.llm.router import BackendRouter, WaitClock
 from prorl_server.llm.session import LLMSession
 from prorl_server.verifiers.judge_prompt import Rubric, build_prompt, echoes_answer, parse_reply, weighted_reward
 
@@ -121,11 +121,20 @@ class ModelJudge:
         self._metrics = metrics
         self._pool_name = pool_name
 
-    def for_job(self, job_id: str) -> JobJudge:
-        return JobJudge(self, job_id)
+    def for_job(self, job_id: str, *, wait_clock: WaitClock | None = None) -> JobJudge:
+        """`wait_clock`: the job's budget clock, stopped while a judgement waits for a judge slot
+        (as for the job's own model turns: waiting for a shared model is not the job's time)."""
+        return JobJudge(self, job_id, wait_clock)
 
     async def judge(
-        self, job_id: str, *, rubric: Rubric, question: str, answer: str | None, max_answer_chars: int | None = None
+        self,
+        job_id: str,
+        *,
+        rubric: Rubric,
+        question: str,
+        answer: str | None,
+        max_answer_chars: int | None = None,
+        wait_clock: WaitClock | None = None,
     ) -> Judgement:
         """`max_answer_chars`: the task's own limit, when below the server's."""
         weights = {c.name: c.weight for c in rubric.effective_criteria()}
@@ -157,7 +166,10 @@ class ModelJudge:
         )
         # A fresh session per judgement: no history, its own token conversation, routed apart
         # from the job's own turns.
-        session = LLMSession(f"{job_id}/judge", self._router)
+        key = f"{job_id}/judge"
+        session = LLMSession(key, self._router)
+        if wait_clock is not None:
+            self._router.wait_clocks[key] = wait_clock
         started = time.monotonic()
         try:
             async with asyncio.timeout(options.timeout_s):
@@ -175,7 +187,7 @@ class ModelJudge:
             which = "judge_unavailable" if exc.reason == "llm_unavailable" else "judge_rejected"
             raise InfrastructureError(f"the judge pool failed: {exc.message}", reason=which) from None
         finally:
-            self._router.forget(f"{job_id}/judge")
+            self._router.forget(key)
         latency = time.monotonic() - started
         judgement = Judgement(
             "judged",
@@ -219,6 +231,7 @@ class JobJudge:
 
     judge: ModelJudge
     job_id: str
+    wait_clock: WaitClock | None = None
 
     async def score(
         self, *, rubric: Rubric, question: str, answer: str | None, max_answer_chars: int | None = None
@@ -226,5 +239,10 @@ class JobJudge:
         """Grade `answer` (the policy's text: the only thing of the policy's the judge sees);
         `question` and `rubric` must be the task's, never text the policy wrote."""
         return await self.judge.judge(
-            self.job_id, rubric=rubric, question=question, answer=answer, max_answer_chars=max_answer_chars
+            self.job_id,
+            rubric=rubric,
+            question=question,
+            answer=answer,
+            max_answer_chars=max_answer_chars,
+            wait_clock=self.wait_clock,
         )

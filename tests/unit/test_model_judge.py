@@ -4,6 +4,8 @@ judge's own sampling, and which failures are verdicts (reward 0) and which infra
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from prorl_server.verifiers import judge_prompt
 from prorl_server.verifiers.judge import JudgeOptions, ModelJudge
 from prorl_server.verifiers.judge_prompt import Criterion, Rubric, build_prompt, parse_reply, weighted_reward
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply
+from tests.helpers import assert_eventually
 
 RUBRIC = Rubric((Criterion("accuracy", "The facts are right.", 3), Criterion("clarity", "Easy to follow.", 1)))
 REFERENCE_ONLY = Rubric(reference="Paris")
@@ -225,3 +228,39 @@ async def test_a_reply_copied_from_grading_lines_in_the_answer_is_not_a_judgemen
     # The same reply to an answer without such a line is the judge's own.
     judgement, _, _ = await judged(lambda m: ScriptedReply("correctness: 10"), answer="Paris.")
     assert (judgement.verdict, judgement.reward) == ("judged", 1.0)
+
+
+class CountingClock:
+    """A job's budget clock as the router sees it: counts the waits for a model slot."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    @contextlib.contextmanager
+    def waiting_for_model(self) -> Iterator[None]:
+        self.waits += 1
+        yield
+
+
+async def test_a_judgement_waiting_for_a_judge_slot_stops_the_jobs_budget_clock() -> None:
+    release = asyncio.Event()
+    router = BackendRouter(health_interval_s=0)
+    replies = iter([ScriptedReply("correctness: 10", wait_for=release), ScriptedReply("correctness: 5")])
+    router.add(ScriptedChatBackend(lambda m: next(replies), backend_id="one-slot", max_in_flight=1))
+    judge = ModelJudge(router, JudgeOptions())
+    first_clock, second_clock = CountingClock(), CountingClock()
+    try:
+        first = asyncio.create_task(
+            judge.for_job("job-a", wait_clock=first_clock).score(rubric=REFERENCE_ONLY, question="q", answer="a")
+        )
+        await assert_eventually(lambda: router.entries()[0].in_flight == 1)
+        second = asyncio.create_task(
+            judge.for_job("job-b", wait_clock=second_clock).score(rubric=REFERENCE_ONLY, question="q", answer="b")
+        )
+        await assert_eventually(lambda: router.waiting == 1)
+        release.set()
+        assert [(await first).reward, (await second).reward] == [1.0, 0.5]
+    finally:
+        await router.close()
+    assert (first_clock.waits, second_clock.waits) == (0, 1)
+    assert router.wait_clocks == {}  # forgotten once judged
