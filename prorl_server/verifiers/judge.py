@@ -136,7 +136,9 @@ class ModelJudge:
         max_answer_chars: int | None = None,
         wait_clock: WaitClock | None = None,
     ) -> Judgement:
-        """`max_answer_chars`: the task's own limit, when below the server's."""
+        """`max_answer_chars`: the task's own limit, when below the server's. A rubric that
+        cannot be graded (Rubric.check) raises ValueError: the calling family's bug."""
+        rubric.check()
         weights = {c.name: c.weight for c in rubric.effective_criteria()}
         text = (answer or "").strip()
         if not text:
