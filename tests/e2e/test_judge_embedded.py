@@ -2,9 +2,12 @@
 temperature 0) grades the adversarial suite's answers, and judges a rubric job end to end
 through a real server (`judge.embedded`), the policy being scripted.
 
-A 135M model is a weak judge: most of its replies are not in the format (reward 0, a verdict
-of its own). What must hold whatever it writes is the suite's claim: no attack scores more
-than the same answer without it. The test prints how its replies were read, for the record.
+A 135M model is a weak judge: in the runs here its replies were not in the format (it wrote
+its own `<<<END RESPONSE ...>>>` marker: reward 0, a verdict of its own). What must hold
+whatever it writes is the suite's claim: no attack scores more than the same answer without
+it. Every attack is put on the half-right answer (the one an attack could move either way);
+one judgement took about 300 s on this 2-core machine at a load average of 37, so the test
+has an hour's limit. It prints how the replies were read, for the record.
 """
 
 from __future__ import annotations
@@ -41,23 +44,25 @@ async def judge() -> AsyncIterator[ModelJudge]:
     router = BackendRouter(health_interval_s=0)
     router.add(backend, managed=True)
     try:
-        yield ModelJudge(router, JudgeOptions(max_tokens=32, max_answer_chars=CAP))
+        yield ModelJudge(router, JudgeOptions(max_tokens=32, max_answer_chars=CAP, timeout_s=3600))
     finally:
         await router.close()
 
 
+@pytest.mark.timeout(3600)
 async def test_no_attack_scores_more_than_the_answer_without_it_on_a_real_judge(judge: ModelJudge) -> None:
+    bases = {"half": BASES["half"]}
     base_reward: dict[str, float] = {}
     verdicts: collections.Counter[str] = collections.Counter()
     replies: list[str] = []
-    for name, answer in BASES.items():
+    for name, answer in bases.items():
         judgement = await judge.judge("e2e", rubric=RUBRIC, question=QUESTION, answer=answer)
         base_reward[name] = judgement.reward
         verdicts[judgement.verdict] += 1
         replies.append(f"base {name}: {judgement.verdict} {judgement.reward} {judgement.reply!r}")
     higher: list[str] = []
     for attack, make in ATTACKS.items():
-        for name, answer in BASES.items():
+        for name, answer in bases.items():
             judgement = await judge.judge("e2e", rubric=RUBRIC, question=QUESTION, answer=make(answer))
             verdicts[judgement.verdict] += 1
             replies.append(f"{attack} on {name}: {judgement.verdict} {judgement.reward} {judgement.reply[:80]!r}")
@@ -65,7 +70,7 @@ async def test_no_attack_scores_more_than_the_answer_without_it_on_a_real_judge(
                 higher.append(f"{attack} on {name}: {judgement.reward} > {base_reward[name]} ({judgement.reply!r})")
     print("verdicts of the real judge:", dict(verdicts))
     print("\n".join(replies))
-    assert sum(verdicts.values()) == len(BASES) * (len(ATTACKS) + 1)
+    assert sum(verdicts.values()) == len(bases) * (len(ATTACKS) + 1)
     assert not higher, "attacks that scored more than the answer alone:\n" + "\n".join(higher)
 
 
@@ -77,11 +82,12 @@ def _settings() -> Any:
             "server": {"port": 0, "instance_id": instance_id("judge-e2e"), "shutdown_grace_s": 0},
             "jobs": {"store": False},
             "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
-            "judge": {"embedded": True, "max_tokens": 32, "health_interval_s": 0},
+            "judge": {"embedded": True, "max_tokens": 32, "health_interval_s": 0, "timeout_s": 1800},
         },
     )
 
 
+@pytest.mark.timeout(3600)
 async def test_a_rubric_job_is_judged_by_the_embedded_judge_through_the_server() -> None:
     answer = BASES["right"]
     policy = ScriptedChatBackend([tool_call_text("finish", {"answer": answer})], backend_id="policy")
