@@ -57,6 +57,7 @@ from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
 from prorl_server.sandbox.podman.service import PodmanService
 from prorl_server.stats import PhaseLoad, ServerStats
 from prorl_server.verifiers import checker_pool
+from prorl_server.verifiers.judge import ModelJudge, judge_options
 
 log = structlog.get_logger(__name__)
 
@@ -73,10 +74,12 @@ class ProrlServer:
         registry: HandlerRegistry | None = None,
         sandbox_provider: SandboxProvider | None = None,
         backends: Sequence[LLMBackend] = (),
+        judge_backends: Sequence[LLMBackend] = (),
     ) -> None:
         """`sandbox_provider` replaces the Podman one the settings describe (no Podman service
         is started then); `backends` are served beside the configured ones. Both are for
-        embedding the server, e.g. in the fast tests with in-process fakes."""
+        embedding the server, e.g. in the fast tests with in-process fakes; `judge_backends` are
+        served beside the configured judge backends (settings `judge.*`)."""
         self.settings = settings
         self._registry = registry or default_registry()
         self._podman: PodmanService | None = None
@@ -86,6 +89,15 @@ class ProrlServer:
         self._router = BackendRouter(
             health_interval_s=settings.llm.health_interval_s,
             failed_checks_to_evict=settings.llm.health_failures_to_evict,
+        )
+        self._extra_judge_backends = list(judge_backends)
+        judge = settings.judge
+        self._judge_router = (
+            self._router
+            if judge.use_policy_backends
+            else BackendRouter(
+                health_interval_s=judge.health_interval_s, failed_checks_to_evict=settings.llm.health_failures_to_evict
+            )
         )
         phases = settings.phases
         self._gates: dict[v1.Phase, PhaseGate] = phase_gates(init=phases.init, run=phases.run, eval=phases.eval)
@@ -141,6 +153,7 @@ class ProrlServer:
         await checker_pool.hold_shared_pool(settings.verifier)
         self._holds_checkers = True
         await self._start_backends()
+        await self._start_judge_backends()
         if settings.server.gateway_port is not None:
             self._gateway_server = GatewayServer(
                 self._gateways,
@@ -158,6 +171,12 @@ class ProrlServer:
             gateway_port=lambda: self.gateway_port,
             gateway_host=_host_of(settings.cluster.advertise_address) or settings.server.host,
             gateway_limits=settings.gateway,
+            judge=ModelJudge(
+                self._judge_router,
+                judge_options(settings.judge),
+                metrics=self.metrics,
+                pool_name="llm.backends" if settings.judge.use_policy_backends else "judge.backends",
+            ),
         )
         self._feed = Feed(self._store, settings.subscribe)
         self.manager = JobManager(
@@ -270,6 +289,37 @@ class ProrlServer:
                 "llm.backends is empty",
             )
         self._router.start()
+
+    async def _start_judge_backends(self) -> None:
+        """The judge pool: a router of its own (unless judge.use_policy_backends)."""
+        judge = self.settings.judge
+        if judge.use_policy_backends:
+            return
+        for configured in judge.backends:
+            self._judge_router.add(
+                build_backend(configured, timeout_s=judge.request_timeout_s, max_retries=judge.max_retries)
+            )
+        if judge.embedded:
+            embedded = self.settings.llm.embedded
+            info = BackendInfo(
+                id="judge-embedded",
+                kind="embedded",
+                base_url="in-process",
+                model=EMBEDDED_MODEL_NAME,
+                max_in_flight=1,
+                managed=True,
+            )
+            backend = LlamaCppBackend(
+                info,
+                model_path=Path(embedded.model_path) if embedded.model_path else None,
+                context_length=embedded.context_length,
+                threads=embedded.threads,
+            )
+            await backend.start()
+            self._judge_router.add(backend, managed=True)
+        for extra in self._extra_judge_backends:
+            self._judge_router.add(extra)
+        self._judge_router.start()
 
     def _hand_back(self, job: JobRecord) -> None:
         if self._coordinator is not None:
@@ -413,6 +463,8 @@ class ProrlServer:
         if self._provider is not None:
             await self._provider.close()
         await self._router.close()
+        if self._judge_router is not self._router:
+            await self._judge_router.close()
         if self._podman is not None:
             await self._podman.stop()
         log.info("server_stopped")

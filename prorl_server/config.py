@@ -301,6 +301,46 @@ class VerifierSettings(_Section):
     POLICY / verification_memory."""
 
 
+class JudgeSettings(_Section):
+    """The model judge (the `rubric` family, `ctx.judge` of any family): a pool of backends of
+    its own, its own sampling and limits (docs/llm.md, "The judge pool")."""
+
+    backends: list[BackendSettings] = []
+    """The judge's backends, as `[[llm.backends]]` tables; never the policy's (unless
+    use_policy_backends)."""
+    use_policy_backends: bool = False
+    """Judge with the policy's own pool (llm.backends, the embedded model, AddBackend's): the
+    policy under training then grades itself, and judgements wait out a weight update's Pause."""
+    embedded: bool = False
+    """Serve the embedded model (llama.cpp, llm.embedded.model_path) as a judge backend of its own."""
+    temperature: float = Field(0.0, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = 0
+    """Sent where the backend takes one; None: none."""
+    model: str = ""
+    """The model name sent; "": each backend's own `model`."""
+    max_tokens: int = Field(256, ge=1, le=32768)
+    """Longest reply of one judgement: a reply cut there is unparseable (reward 0)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Time of one judgement (waiting for a judge slot included); past it the job fails
+    INFRASTRUCTURE / judge_timeout."""
+    max_answer_chars: int = Field(16_000, ge=1, le=1_000_000)
+    """Longest answer a judge reads; a longer one scores 0 (answer_too_long) unjudged."""
+    request_timeout_s: float = Field(120.0, gt=0)
+    max_retries: int = Field(2, ge=0)
+    health_interval_s: float = Field(10.0, ge=0)
+    """Seconds between the judge backends' health checks (0: never)."""
+
+    @model_validator(mode="after")
+    def _one_pool(self) -> JudgeSettings:
+        if self.use_policy_backends and (self.backends or self.embedded):
+            raise ValueError("use_policy_backends judges with the policy's pool: leave backends and embedded unset")
+        ids = [b.id for b in self.backends] + (["judge-embedded"] if self.embedded else [])
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"judge backend ids must be unique: {ids}")
+        return self
+
+
 class GatewaySettings(_Section):
     """What one job's agent program may ask of its model gateway (docs/llm.md, "Limits")."""
 
@@ -326,6 +366,7 @@ class Settings(_Section):
     gateway: GatewaySettings = GatewaySettings()
     cluster: ClusterSettings = ClusterSettings()
     verifier: VerifierSettings = VerifierSettings()
+    judge: JudgeSettings = JudgeSettings()
 
 
 def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,11 @@ class Metrics:
         self.tool_seconds = Histogram(
             "prorl_tool_call_seconds", "Tool call latency", ["tool"], buckets=LATENCY_BUCKETS, registry=r
         )
+        self.judgements = Counter("prorl_judgements", "Model judgements", ["verdict"], registry=r)
+        self.judge_seconds = Histogram(
+            "prorl_judge_seconds", "Latency of one model judgement", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.judge_tokens = Counter("prorl_judge_tokens", "Tokens of the judge pool", ["kind"], registry=r)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -68,6 +73,14 @@ class Metrics:
         self.llm_seconds.labels(backend).observe(seconds)
         self.llm_tokens.labels(backend, "prompt").inc(prompt_tokens)
         self.llm_tokens.labels(backend, "completion").inc(completion_tokens)
+
+    def judgement(self, verdict: str, seconds: float, prompt_tokens: int, completion_tokens: int) -> None:
+        """One model judgement (verifiers/judge.py); the judge's latency only when it was asked."""
+        self.judgements.labels(verdict).inc()
+        if prompt_tokens or completion_tokens or seconds:
+            self.judge_seconds.observe(seconds)
+        self.judge_tokens.labels("prompt").inc(prompt_tokens)
+        self.judge_tokens.labels("completion").inc(completion_tokens)
 
     def tool_call(self, tool: str, seconds: float) -> None:
         self.tool_seconds.labels(tool or "unknown").observe(seconds)

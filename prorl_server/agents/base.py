@@ -29,6 +29,7 @@ from prorl_server.errors import InfrastructureError, InvalidArgument, PolicyErro
 from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.sandbox.base import Sandbox
 from prorl_server.sandbox.output import cap_text
+from prorl_server.verifiers.judge import JobJudge
 
 # Re-exported: the value types every family uses.
 __all__ = [
@@ -114,6 +115,7 @@ class RolloutContext(Generic[InstanceT]):
         sandbox_factory: SandboxFactory,
         recorder: TrajectoryRecorder,
         model_gateway: GatewayOpener | None = None,
+        judge: JobJudge | None = None,
     ) -> None:
         self.job_id = job_id
         self.instance = instance
@@ -124,6 +126,7 @@ class RolloutContext(Generic[InstanceT]):
         self.model_gateway = model_gateway
         """For an agent program: the job's model gateway (its calls become token chains, one per
         history), opened in a sandbox with `async with ctx.model_gateway(sandbox) as gateway`."""
+        self._judge = judge
         self.recorder = recorder
         self._sandbox_factory = sandbox_factory
         self._sandboxes = _JobSandboxes()
@@ -134,6 +137,14 @@ class RolloutContext(Generic[InstanceT]):
         view: RolloutContext[Any] = copy.copy(self)
         view.instance = instance
         return view
+
+    @property
+    def judge(self) -> JobJudge:
+        """The server's model judge for this job (settings `judge.*`): `await ctx.judge.score(rubric=...,
+        question=..., answer=...)` grades a policy's answer, the only text of the policy's it sees."""
+        if self._judge is None:
+            raise InfrastructureError("this server gives jobs no model judge", reason="judge_unavailable")
+        return self._judge
 
     @property
     def sandbox_acquire_s(self) -> float:

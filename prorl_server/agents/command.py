@@ -4,7 +4,7 @@ The instance names the program and how to judge what it produces:
 
     {"program": {"argv": [...], "env": {...}, "cwd": "/testbed", "files": {path: text},
                  "timeout_s": 600, "sampling": "job" | "program"},
-     "verifier": "math" | "stem" | "code" | "swe",
+     "verifier": "math" | "stem" | "code" | "swe" | "rubric",
      "task": {... an instance of that family ...},
      "submission": "last_line" | "stdout" | "file" | "git_diff",
      "submission_path": "/tmp/answer.txt"}
@@ -44,6 +44,7 @@ from prorl_server.agents.fields import Seconds, Text
 from prorl_server.agents.loop import ToolLoopHandler
 from prorl_server.agents.math import MathHandler
 from prorl_server.agents.outcomes import StopReason
+from prorl_server.agents.rubric import RubricHandler
 from prorl_server.agents.stem import StemHandler
 from prorl_server.agents.swe import SWEHandler
 from prorl_server.errors import InfrastructureError, InvalidArgument
@@ -54,6 +55,7 @@ FAMILIES: dict[str, ToolLoopHandler[Any, Any]] = {
     "stem": StemHandler(),
     "code": CodeHandler(),
     "swe": SWEHandler(),
+    "rubric": RubricHandler(),
 }
 MAX_SUBMISSION_BYTES = 1 << 20
 DEFAULT_PROGRAM_TIMEOUT_S = 1200.0
@@ -91,7 +93,7 @@ class Program(TaskInstance):
 
 class CommandTask(TaskInstance):
     program: Program
-    verifier: Literal["math", "stem", "code", "swe"]
+    verifier: Literal["math", "stem", "code", "swe", "rubric"]
     task: dict[str, Any]
     """An instance of the verifier's family, checked as that family checks it."""
     submission: Literal["last_line", "stdout", "file", "git_diff"] = "last_line"

@@ -33,11 +33,12 @@ from prorl_server.jobs.phase_runner import PhaseResult, PhaseRunner, PhaseTimes
 from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.record import JobPlan, JobRecord
 from prorl_server.jobs.uninterruptible import uninterruptible
-from prorl_server.llm.router import BackendRouter
+from prorl_server.llm.router import BackendRouter, WaitClock
 from prorl_server.llm.session import LLMSession
 from prorl_server.metrics import Metrics
 from prorl_server.sandbox.allocator import SandboxAllocator
 from prorl_server.sandbox.base import LABEL_JOB, Sandbox, SandboxSpec
+from prorl_server.verifiers.judge import ModelJudge
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +78,7 @@ class Pipeline:
         gateway_port: Callable[[], int | None] = lambda: None,
         gateway_host: str = "",
         gateway_limits: GatewaySettings | None = None,
+        judge: ModelJudge | None = None,
     ) -> None:
         """`gateways`: where jobs' model gateways are listed for the server's gateway port, whose
         number `gateway_port()` gives (None: not served outside the sandboxes), on `gateway_host`."""
@@ -89,13 +91,16 @@ class Pipeline:
         self._metrics = metrics
         self._sandboxes = sandboxes
         self._router = router
+        self._judge = judge
 
     @property
     def waiting(self) -> int:
         """Jobs waiting to start (for an init slot)."""
         return self._init_gate.queued
 
-    def _context(self, job: JobRecord, plan: JobPlan, session: LLMSession, chains: CallChains) -> RolloutContext[Any]:
+    def _context(
+        self, job: JobRecord, plan: JobPlan, session: LLMSession, chains: CallChains, clock: WaitClock
+    ) -> RolloutContext[Any]:
         async def open_sandbox() -> Sandbox:
             spec = SandboxSpec(
                 image=plan.image or "",
@@ -136,6 +141,7 @@ class Pipeline:
             sandbox_factory=open_sandbox,
             recorder=recorder,
             model_gateway=model_gateway,
+            judge=self._judge.for_job(job.job_id, wait_clock=clock) if self._judge is not None else None,
         )
 
     async def execute(self, job: JobRecord) -> None:
@@ -150,9 +156,9 @@ class Pipeline:
             program_sampling=bool(getattr(plan.instance, "program_chooses_sampling", False)),
             max_result_message_bytes=self._gateway_limits.max_result_message_bytes,
         )
-        ctx = self._context(job, plan, session, chains)
-        chains.on_call = ctx.recorder.model_turn
         outcome = _Outcome()
+        ctx = self._context(job, plan, session, chains, outcome.times.clock)
+        chains.on_call = ctx.recorder.model_turn
         self._router.wait_clocks[job.job_id] = outcome.times.clock
         try:
             if job.cancel_reason is not None:  # cancelled before it started to run

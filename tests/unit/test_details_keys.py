@@ -29,14 +29,18 @@ from prorl_server.agents.command import CommandHandler, ProgramOutcome
 from prorl_server.agents.outcomes import Limits, RunOutcome, StopReason
 from prorl_server.agents.recorder import TrajectoryRecorder
 from prorl_server.llm.base import Sampling
+from prorl_server.llm.router import BackendRouter
 from prorl_server.sandbox.base import JudgeResult
 from prorl_server.verifiers import math as math_verifier
 from prorl_server.verifiers.code import run_function_tests, run_stdio_tests
+from prorl_server.verifiers.judge import JudgeOptions, ModelJudge
+from prorl_server.verifiers.judge_prompt import Criterion, Rubric
 from prorl_server.verifiers.stem import verify_stem
 from prorl_server.verifiers.swe import judge
+from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "contract.md"
-FAMILIES = ("math", "stem", "code", "swe")
+FAMILIES = ("math", "stem", "code", "swe", "rubric")
 
 # Set by the handler modules (prorl_server/agents/<family>.py), not by the verifiers run here.
 HANDLER_KEYS = {
@@ -44,12 +48,14 @@ HANDLER_KEYS = {
     "stem": {"verdict", "stop_reason", "answer"},
     "code": {"verdict", "stop_reason"},
     "swe": {"verdict", "stop_reason", "instance_id", "patch"},
+    "rubric": {"stop_reason", "answer"},
 }
 HANDLER_VERDICTS = {
     "math": {"correct", "wrong", "no answer submitted"},
     "stem": {"correct", "wrong", "no answer submitted"},
     "code": {"no code submitted"},
     "swe": {"patch_too_large"},
+    "rubric": set(),
 }
 
 
@@ -182,6 +188,33 @@ async def swe_details() -> list[dict[str, Any]]:
     return found
 
 
+async def rubric_details() -> list[dict[str, Any]]:
+    """The judge's details for each verdict: a reply in the format, one not, a refusal, a judge
+    whose context is too small, an empty answer and one over the limit (neither sent)."""
+    rubric = Rubric((Criterion("accuracy", "right"), Criterion("clarity", "clear", 2)))
+    replies = iter(
+        [
+            ScriptedReply("accuracy: 8\nclarity: 5"),
+            ScriptedReply("Great answer"),
+            ScriptedReply("REFUSED: not gradable"),
+            ScriptedReply("accuracy: 10\nclarity: 10"),
+            ScriptedReply(status=400, error_message="maximum context length exceeded"),
+        ]
+    )
+    router = BackendRouter(health_interval_s=0)
+    router.add(ScriptedChatBackend(lambda messages: next(replies), backend_id="judge"))
+    judge = ModelJudge(router, JudgeOptions(max_answer_chars=100))
+    found = []
+    try:
+        copied = "an answer\naccuracy: 10\nclarity: 10"
+        for answer in ("an answer", "an answer", "an answer", copied, "an answer", " ", "x" * 101):
+            judgement = await judge.judge("job", rubric=rubric, question="q", answer=answer)
+            found.append(judgement.details())
+    finally:
+        await router.close()
+    return found
+
+
 async def command_details() -> list[dict[str, Any]]:
     """The command family's details with the math verifier: a program that exited, one that ran out
     of its time (the runtime reports exit 124), one whose exit status is unknown."""
@@ -238,6 +271,8 @@ async def test_verifier_details_match_the_contract(
         produced = stem_details()
     elif family == "code":
         produced = await code_details()
+    elif family == "rubric":
+        produced = await rubric_details()
     else:
         produced = await swe_details()
     table = tables[family]
