@@ -37,6 +37,7 @@ from prorl_server.gateway.aiohttp_adapter import GatewayServer
 from prorl_server.gateway.directory import GatewayDirectory
 from prorl_server.jobs.event_writer import FLUSH_INTERVAL_S
 from prorl_server.jobs.feed import Feed
+from prorl_server.jobs.forks import ForkRegistry
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.phases import PhaseGate, phase_gates
 from prorl_server.jobs.pipeline import Pipeline
@@ -149,7 +150,13 @@ class ProrlServer:
                 body_timeout_s=settings.gateway.body_timeout_s,
             )
             await self._gateway_server.start()
+        forks = ForkRegistry(
+            Path(settings.sandbox.state_dir) / "forks" / settings.server.instance_id,
+            max_snapshot_bytes=settings.jobs.fork_snapshot_max_bytes,
+            max_total_bytes=settings.jobs.fork_snapshots_max_bytes,
+        )
         pipeline = Pipeline(
+            forks=forks,
             gates=self._gates,
             sandboxes=self._sandboxes,
             router=self._router,
@@ -171,6 +178,7 @@ class ProrlServer:
             # A cluster's watchers see an event once it is stored: write them sooner.
             flush_interval_s=CLUSTER_FLUSH_INTERVAL_S if cluster else FLUSH_INTERVAL_S,
             on_stored=self._feed.nudge,
+            forks=forks,
         )
         await self.manager.restore()
         await self._feed.start()
