@@ -46,6 +46,7 @@ NOT_CARRIED = (
 SKIPPED_ENV = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "TMPDIR", "PPID", "BASHPID", "RANDOM", "LINENO"})
 """Not restored: the shell's own bookkeeping, and the fork's own temporary directory."""
 SNAPSHOT_TIMEOUT_S = 300.0
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
 @dataclass(frozen=True)
@@ -218,8 +219,11 @@ async def _tmpdir(sandbox: Sandbox) -> str:
 
 
 async def _run_script(sandbox: Sandbox, script: str, args: Mapping[str, object], what: str) -> None:
-    # A subshell: nothing it sets reaches the agent's session; /usr/bin/env: no alias or function.
-    command = f"(/usr/bin/env python3 -c {shlex.quote(script)} {shlex.quote(json.dumps(args))}) || false"
+    # A subshell: nothing it sets reaches the agent's session; /usr/bin/env with the image's own
+    # PATH: no alias, function or python3 the agent put on its PATH stands in for the image's.
+    command = (
+        f"(/usr/bin/env PATH={SYSTEM_PATH} python3 -c {shlex.quote(script)} {shlex.quote(json.dumps(args))}) || false"
+    )
     result = await sandbox.bash(command, timeout_s=SNAPSHOT_TIMEOUT_S)
     if result.exit_code != 0:
         raise SnapshotRefused(f"{what} failed in the sandbox (exit {result.exit_code}): {result.output[-500:]}")
