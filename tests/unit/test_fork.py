@@ -19,7 +19,9 @@ import pytest_asyncio
 
 from prorl_client import Client, RpcError, v1
 from prorl_server.app import ProrlServer
+from prorl_server.cluster.jobs import ClusterJobs
 from prorl_server.config import load_settings
+from prorl_server.errors import FailedPrecondition
 from prorl_server.testing.scripted_llm import tool_call_text
 from tests.conftest import TEST_STATE_DIR, instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
@@ -317,3 +319,30 @@ async def test_special_files_and_links_stay_what_the_sandbox_saw(served: Served,
     assert archive is not None
     data = archive.read_bytes()
     assert b"host secret" not in data and str(secret).encode() in data  # the link, not its target
+
+
+async def test_a_family_without_turn_boundaries_and_a_cluster_refuse(served: Served) -> None:
+    request = v1.RolloutRequest(job_id="prog", handler="command", forkable=True)
+    request.instance.update(
+        {
+            "program": {"argv": ["sh", "-c", "echo 42"]},
+            "verifier": "math",
+            "task": {"question": "6 * 7?", "answer": "42"},
+        }
+    )
+    await served.client.submit(request)
+    with pytest.raises(RpcError) as caught:
+        await served.client.fork_job("prog", 0, [branch("prog-b", 1)])
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'command' has no turn boundaries" in caught.value.details
+    await served.result("prog")
+
+    cluster = ClusterJobs(
+        settings=served.server.settings,
+        registry=None,  # type: ignore[arg-type]
+        manager=served.server.manager,  # type: ignore[arg-type]
+        store=None,  # type: ignore[arg-type]
+        notifications=None,  # type: ignore[arg-type]
+    )
+    with pytest.raises(FailedPrecondition, match="not available on a cluster"):
+        await cluster.fork(v1.ForkJobRequest(job_id="prog", after_turn=0, branches=[branch("c", 1)]))
