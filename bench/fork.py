@@ -58,9 +58,7 @@ SWE_TURNS = [
     ("bash", {"command": "cd /testbed && git status --short | head && grep -n 'def urlize' django/utils/html.py"}),
     (
         "bash",
-        {
-            "command": "cd /testbed && sed -i 's/^# Configuration for urlize/# urlize:/' django/utils/html.py && git diff"
-        },
+        {"command": "cd /testbed && sed -i 's/^# Configuration for/# For/' django/utils/html.py && git diff"},
     ),
     ("bash", {"command": "cd /testbed && python -c 'import django; print(django.__version__)'"}),
     ("str_replace_editor", {"command": "view", "path": "/testbed/django/utils/html.py", "view_range": [1, 20]}),
