@@ -23,6 +23,7 @@ from prorl_server.cluster.jobs import ClusterJobs
 from prorl_server.config import load_settings
 from prorl_server.errors import FailedPrecondition
 from prorl_server.testing.scripted_llm import tool_call_text
+from examples.fork_tree.tree import advantages, sample_tree
 from tests.conftest import TEST_STATE_DIR, instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
@@ -67,7 +68,7 @@ class Policy:
             return f"seed{seed}-own " + tool_call_text("bash", {"command": PROBE})
         if len(own) == 1:
             return f"seed{seed}-own " + tool_call_text("bash", {"command": f"printf '{seed}' > seed{seed}.txt"})
-        return tool_call_text("finish", {"answer": "42"})
+        return tool_call_text("finish", {"answer": "41" if seed in (1, 3) else "42"})  # seeds 1, 3: wrong
 
 
 class Served:
@@ -346,3 +347,30 @@ async def test_a_family_without_turn_boundaries_and_a_cluster_refuse(served: Ser
     )
     with pytest.raises(FailedPrecondition, match="not available on a cluster"):
         await cluster.fork(v1.ForkJobRequest(job_id="prog", after_turn=0, branches=[branch("c", 1)]))
+
+
+async def test_the_tree_example_credits_each_branch_point(served: Served) -> None:
+    """examples/fork_tree: a root forked at its midpoint into 4, advantages per branch point."""
+    served.gate.touch()
+    request = served.parent("")
+    request.sampling.max_tokens = 4096
+    tree = await sample_tree(served.client, request, 4)
+
+    assert tree.turn == 1 and tree.root.trajectory.num_turns == 4  # the midpoint of turns 0..3
+    assert [b.reward for b in tree.branches] == [1.0, 0.0, 1.0, 0.0]  # seeds 1 and 3 answer wrong
+    value = (1.0 + 2.0) / 5
+    assert tree.value == pytest.approx(value)
+    (root, root_adv), *rest = advantages([tree])
+    split = tree.branches[0].fork_origin.prefix_tokens
+    mask = list(root.trajectory.loss_mask)
+    assert {a for a, m in zip(root_adv[:split], mask[:split], strict=True) if m} == {0.0}  # one tree: V - V
+    assert {round(a, 9) for a, m in zip(root_adv[split:], mask[split:], strict=True) if m} == {round(1 - value, 9)}
+    for branch, adv in rest:
+        own = {round(a, 9) for a, m in zip(adv, branch.trajectory.loss_mask, strict=True) if m}
+        assert own == {round(branch.reward - value, 9)} and set(adv[:split]) == {0.0}
+    # Two trees: the prefixes are credited against each other.
+    tree.root.reward, other = 0.0, type(tree)(tree.root, tree.branches[:1], tree.turn)
+    (_, first), *_ = advantages([tree, other])
+    assert {round(a, 9) for a, m in zip(first[:split], mask[:split], strict=True) if m} == {
+        round(tree.value - (tree.value + other.value) / 2, 9)
+    }
