@@ -17,13 +17,13 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from examples.fork_tree.tree import advantages, sample_tree
 from prorl_client import Client, RpcError, v1
 from prorl_server.app import ProrlServer
 from prorl_server.cluster.jobs import ClusterJobs
 from prorl_server.config import load_settings
 from prorl_server.errors import FailedPrecondition
 from prorl_server.testing.scripted_llm import tool_call_text
-from examples.fork_tree.tree import advantages, sample_tree
 from tests.conftest import TEST_STATE_DIR, instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
