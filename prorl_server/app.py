@@ -101,6 +101,7 @@ class ProrlServer:
         self._notifications: Notifications | None = None
         self._coordinator: ClusterCoordinator | None = None
         self.jobs: JobService | None = None
+        self._forks: ForkRegistry | None = None
         self.port = 0
         self._stopped = False
         self._holds_checkers = False
@@ -150,7 +151,7 @@ class ProrlServer:
                 body_timeout_s=settings.gateway.body_timeout_s,
             )
             await self._gateway_server.start()
-        forks = ForkRegistry(
+        self._forks = forks = ForkRegistry(
             Path(settings.sandbox.state_dir) / "forks" / settings.server.instance_id,
             max_snapshot_bytes=settings.jobs.fork_snapshot_max_bytes,
             max_total_bytes=settings.jobs.fork_snapshots_max_bytes,
@@ -416,6 +417,8 @@ class ProrlServer:
             await self._store.close()
         if self._sandboxes is not None:
             await self._sandboxes.close()
+        if self._forks is not None:  # the state for forks dies with the server's memory: its files too
+            await self._forks.close()
         if self._holds_checkers:
             await checker_pool.release_shared_pool()
         if self._provider is not None:

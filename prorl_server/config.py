@@ -116,7 +116,8 @@ class JobSettings(_Section):
     """Files a forkable job's snapshot may hold at one turn (under <sandbox.state_dir>/forks);
     a larger one leaves that turn unforkable (ForkJob says why)."""
     fork_snapshots_max_bytes: int = Field(4 * 1024 * 1024 * 1024, ge=1)
-    """All snapshots this server keeps at once; beyond it, later turns are left unforkable."""
+    """All snapshots this server keeps at once: beyond it the oldest finished jobs' snapshots are
+    dropped (their turns become unforkable); when running jobs' fill it, their later turns are."""
 
     @field_validator("store")
     @classmethod

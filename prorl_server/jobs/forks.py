@@ -152,11 +152,13 @@ class ForkRegistry:
         leaves the turn unforkable, with the reason)."""
         boundary = Boundary(turn, source.recorder.mark(turn), source.chat.mark())
         try:
-            if self.stored_bytes >= self._max_total:
-                raise FailedPrecondition(
-                    f"this server's snapshot space is full (setting jobs.fork_snapshots_max_bytes = {self._max_total})"
-                )
             state = await capture(sandbox, source.roots, max_bytes=self._max_snapshot)
+            await self._make_room(len(state.archive))
+            if self.stored_bytes + len(state.archive) > self._max_total:
+                raise FailedPrecondition(
+                    f"this server's snapshot space is full of running jobs' snapshots "
+                    f"(setting jobs.fork_snapshots_max_bytes = {self._max_total})"
+                )
             await self._prepare()
             path = self._directory / _folder_name(source.job_id) / f"{turn}.tar"
             await asyncio.to_thread(_write_private, path, state.archive)
@@ -177,6 +179,36 @@ class ForkRegistry:
         source = self._sources.get(job_id)
         if source is not None:
             source.running = False
+
+    async def close(self) -> None:
+        """Remove every snapshot (the index that makes them usable lives in memory only)."""
+        self._sources.clear()
+        self._refs.clear()
+        self._sizes.clear()
+        await asyncio.to_thread(shutil.rmtree, self._directory, True)
+
+    async def _make_room(self, needed: int) -> None:
+        """Drop the snapshots of finished jobs, oldest job first, until `needed` more bytes fit."""
+        gone: list[Path] = []
+        for source in list(self._sources.values()):
+            if self.stored_bytes + needed <= self._max_total:
+                break
+            if source.running:
+                continue
+            for boundary in source.boundaries.values():
+                if boundary.archive is not None and boundary.archive in self._sizes:
+                    self._sizes.pop(boundary.archive)
+                    self._refs.pop(boundary.archive, None)
+                    gone.append(boundary.archive)
+        if not gone:
+            return
+        dropped = set(gone)
+        why = f"dropped to make room for newer ones (setting jobs.fork_snapshots_max_bytes = {self._max_total})"
+        for source in self._sources.values():
+            for turn, boundary in source.boundaries.items():
+                if boundary.archive in dropped:
+                    source.boundaries[turn] = replace(boundary, archive=None, lost=why)
+        await asyncio.to_thread(_remove_files, gone)
 
     async def release(self, job_id: str) -> None:
         """Forget a job's boundaries (it is no longer retained): its snapshot files go once no

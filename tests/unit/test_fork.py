@@ -111,6 +111,8 @@ class Served:
         await self.server.stop()
         await self.fake.stop()
         assert self.provider.busy == 0
+        # The snapshots are gone with the server (the index that makes them usable lived in its memory).
+        assert not (TEST_STATE_DIR / "forks" / self.server.settings.server.instance_id).exists()
 
     def parent(self, job_id: str, *, forkable: bool = True) -> v1.RolloutRequest:
         request = math_request("Work in the sandbox.", "42", job_id=job_id, max_turns=8, forkable=forkable)
@@ -374,3 +376,23 @@ async def test_the_tree_example_credits_each_branch_point(served: Served) -> Non
     assert {round(a, 9) for a, m in zip(first[:split], mask[:split], strict=True) if m} == {
         round(tree.value - (tree.value + other.value) / 2, 9)
     }
+
+
+async def test_a_full_snapshot_space_drops_the_oldest_finished_jobs_snapshots(served: Served) -> None:
+    served.gate.touch()
+    await served.client.submit(served.parent("old"))
+    await served.result("old")
+    manager = served.server.manager
+    assert manager is not None and manager._forks is not None
+    registry = manager._forks
+    registry._max_total = registry.stored_bytes + 1  # room for nothing more
+    await served.client.submit(served.parent("new"))
+    await served.result("new")
+
+    with pytest.raises(RpcError) as caught:
+        await served.client.fork_job("old", 0, [branch("old-b", 1)])
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dropped to make room" in caught.value.details
+    assert not any(b.archive for b in registry._sources["old"].boundaries.values())
+    await served.client.fork_job("new", 0, [branch("new-b", 1)])  # the newer job's were kept
+    assert (await served.result("new-b")).status == v1.JOB_STATUS_SUCCEEDED
