@@ -72,7 +72,8 @@ class Policy:
 
 
 class Served:
-    def __init__(self, folder: Path, **jobs: Any) -> None:
+    def __init__(self, folder: Path, server: dict[str, Any] | None = None, **jobs: Any) -> None:
+        self.server_settings = server or {}
         self.policy = Policy()
         self.tokenizer = write_tiny_tokenizer(folder / "tok")
         self.fake = FakeVLLM(self.tokenizer, self.policy)
@@ -95,7 +96,12 @@ class Served:
             None,
             environ={},
             overrides={
-                "server": {"port": 0, "instance_id": instance_id("server"), "shutdown_grace_s": 0},
+                "server": {
+                    "port": 0,
+                    "instance_id": instance_id("server"),
+                    "shutdown_grace_s": 0,
+                    **self.server_settings,
+                },
                 "jobs": {"store": False, **self.jobs},
                 "sandbox": {"state_dir": str(TEST_STATE_DIR)},
                 "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0, "backends": [backend]},
@@ -103,7 +109,8 @@ class Served:
         )
         self.server = ProrlServer(settings, sandbox_provider=self.provider)
         await self.server.start()
-        self.client = Client.connect(self.server.address)
+        tokens = self.server_settings.get("auth_tokens") or [""]
+        self.client = Client.connect(self.server.address, token=tokens[0] or None)
 
     async def stop(self) -> None:
         self.gate.touch()
@@ -396,3 +403,21 @@ async def test_a_full_snapshot_space_drops_the_oldest_finished_jobs_snapshots(se
     assert not any(b.archive for b in registry._sources["old"].boundaries.values())
     await served.client.fork_job("new", 0, [branch("new-b", 1)])  # the newer job's were kept
     assert (await served.result("new-b")).status == v1.JOB_STATUS_SUCCEEDED
+
+
+async def test_fork_needs_the_servers_bearer_token(tmp_path: Path) -> None:
+    """The server has no tenants (docs/forking.md): what guards a job's state is its token."""
+    served = Served(tmp_path, server={"auth_tokens": ["sesame"]})
+    await served.start()
+    try:
+        served.gate.touch()
+        await served.client.submit(served.parent("guarded"))
+        await served.result("guarded")
+        async with Client.connect(served.server.address, token="wrong") as stranger:
+            with pytest.raises(RpcError) as caught:
+                await stranger.fork_job("guarded", 0, [branch("stolen", 1)])
+        assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(RpcError):
+            await served.client.get_job("stolen")
+    finally:
+        await served.stop()
