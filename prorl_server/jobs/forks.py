@@ -105,6 +105,8 @@ class ForkRegistry:
         self._max_snapshot = max_snapshot_bytes
         self._max_total = max_total_bytes
         self._sources: dict[str, ForkSource] = {}
+        self._reserved: dict[str, list[Path]] = {}
+        """A fork's inherited snapshot files, held from ForkJob until its job starts (track)."""
         self._refs: dict[Path, int] = {}
         self._sizes: dict[Path, int] = {}
         self._ready: asyncio.Lock | None = None
@@ -125,6 +127,14 @@ class ForkRegistry:
 
     # --- the jobs that offer forks ----------------------------------------------------
 
+    def reserve(self, job_id: str, start: ForkStart) -> None:
+        """Hold the parent's snapshot files a new fork inherits from the moment ForkJob accepts it
+        (the parent may be forgotten before the fork starts to run)."""
+        paths = [b.archive for turn, b in start.source.boundaries.items() if turn <= start.boundary.turn and b.archive]
+        for path in paths:
+            self._refs[path] = self._refs.get(path, 0) + 1
+        self._reserved[job_id] = paths
+
     def track(
         self,
         job_id: str,
@@ -137,12 +147,11 @@ class ForkRegistry:
         """Begin keeping `job_id`'s boundaries; a fork inherits its parent's up to its own start."""
         inherited: dict[int, Boundary] = {}
         root_job_id = job_id
-        if start is not None:
+        if start is not None:  # its references to the parent's files were taken by `reserve`
             root_job_id = start.root_job_id
             inherited = {turn: b for turn, b in start.source.boundaries.items() if turn <= start.boundary.turn}
-            for boundary in inherited.values():
-                if boundary.archive is not None:
-                    self._refs[boundary.archive] = self._refs.get(boundary.archive, 0) + 1
+            held = set(self._reserved.pop(job_id, []))
+            inherited = {turn: b for turn, b in inherited.items() if b.archive is None or b.archive in held}
         source = ForkSource(job_id, root_job_id, roots, recorder, chat, inherited)
         self._sources[job_id] = source
         return source
@@ -183,6 +192,7 @@ class ForkRegistry:
     async def close(self) -> None:
         """Remove every snapshot (the index that makes them usable lives in memory only)."""
         self._sources.clear()
+        self._reserved.clear()
         self._refs.clear()
         self._sizes.clear()
         await asyncio.to_thread(shutil.rmtree, self._directory, True)
@@ -214,12 +224,11 @@ class ForkRegistry:
         """Forget a job's boundaries (it is no longer retained): its snapshot files go once no
         fork of its tree refers to them."""
         source = self._sources.pop(job_id, None)
-        if source is None:
-            return
+        held = self._reserved.pop(job_id, [])  # a fork that ended before it ran
+        paths = held + ([b.archive for b in source.boundaries.values() if b.archive] if source else [])
         gone: list[Path] = []
-        for boundary in source.boundaries.values():
-            path = boundary.archive
-            if path is None or path not in self._refs:
+        for path in paths:
+            if path not in self._refs:
                 continue
             self._refs[path] -= 1
             if self._refs[path] <= 0:

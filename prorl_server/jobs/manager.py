@@ -166,7 +166,11 @@ class JobManager:
             start = ForkStart(parent.job_id, root, boundary, source, branch.train_prefix)
             self._check_branch(child, start)
             starts.append((child, start))
-        return [self.submit(child, fork=start) for child, start in starts]
+        branches = [self.submit(child, fork=start) for child, start in starts]
+        for (job, created), (_, start) in zip(branches, starts, strict=True):
+            if created:
+                self._forks.reserve(job.job_id, start)
+        return branches
 
     def _check_branch(self, child: v1.RolloutRequest, start: ForkStart) -> None:
         """Refuse a branch before any of its ForkJob's branches is started."""

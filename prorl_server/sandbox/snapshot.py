@@ -43,8 +43,8 @@ NOT_CARRIED = (
     "the bash session's non-exported variables, functions, aliases, options and history",
     "files outside the carried paths",
 )
-SKIPPED_ENV = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "TMPDIR", "PPID", "BASHPID", "RANDOM", "LINENO"})
-"""Not restored: the shell's own bookkeeping, and the fork's own temporary directory."""
+SKIPPED_ENV = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "PPID", "BASHPID", "RANDOM", "LINENO"})
+"""Not restored: the shell's own bookkeeping."""
 SNAPSHOT_TIMEOUT_S = 300.0
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -214,8 +214,13 @@ async def _paths(sandbox: Sandbox, roots: Sequence[Root]) -> dict[str, str]:
 
 
 async def _tmpdir(sandbox: Sandbox) -> str:
-    result = await sandbox.bash('(printf "%s" "${TMPDIR:-/tmp}")', timeout_s=60)
-    return result.output.strip() or "/tmp"
+    """The sandbox's temporary directory as its runtime started with it (TMPDIR, else /tmp): read
+    from the runtime's own /proc/self/environ, which nothing the agent exports can change."""
+    environ = await sandbox.read_file("/proc/self/environ", max_bytes=1 << 20)
+    for entry in environ.split(b"\0"):
+        if entry.startswith(b"TMPDIR="):
+            return entry[len(b"TMPDIR=") :].decode(errors="replace") or "/tmp"
+    return "/tmp"
 
 
 async def _run_script(sandbox: Sandbox, script: str, args: Mapping[str, object], what: str) -> None:
