@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prorl_server.errors import ProrlError, SandboxError
+from prorl_server.sandbox.runtime.client import RuntimeOpFailed
 from prorl_server.sandbox.runtime.protocol import ListDirRequest
 from prorl_server.sandbox.sandbox import Sandbox
 
@@ -191,8 +192,13 @@ for m in members:
     os.chmod(path, m.mode)
     os.utime(path, (m.mtime, m.mtime))
 for path, m in reversed(dirs):
-    os.chmod(path, m.mode | stat.S_IWUSR | stat.S_IXUSR)
-    os.utime(path, (m.mtime, m.mtime))
+    try:  # a root the sandbox's user does not own (/tmp) keeps its own mode and time
+        os.chmod(path, m.mode | stat.S_IWUSR | stat.S_IXUSR)
+        os.utime(path, (m.mtime, m.mtime))
+    except PermissionError:
+        if m.name in roots:
+            continue
+        raise
 with open(os.path.join(skip, "state.json"), "w") as handle:
     json.dump({"cwd": os.getcwd(), "env": dict(os.environ)}, handle)
 """
@@ -215,8 +221,13 @@ async def _paths(sandbox: Sandbox, roots: Sequence[Root]) -> dict[str, str]:
 
 async def _tmpdir(sandbox: Sandbox) -> str:
     """The sandbox's temporary directory as its runtime started with it (TMPDIR, else /tmp): read
-    from the runtime's own /proc/self/environ, which nothing the agent exports can change."""
-    environ = await sandbox.read_file("/proc/self/environ", max_bytes=1 << 20)
+    from the runtime's own /proc/self/environ, which nothing the agent exports can change. Where
+    that is not readable (Podman: the runtime is the container's init, whose environment sets no
+    TMPDIR), /tmp."""
+    try:
+        environ = await sandbox.read_file("/proc/self/environ", max_bytes=1 << 20)
+    except RuntimeOpFailed:  # not readable (the runtime as the container's init): its default
+        return "/tmp"
     for entry in environ.split(b"\0"):
         if entry.startswith(b"TMPDIR="):
             return entry[len(b"TMPDIR=") :].decode(errors="replace") or "/tmp"
