@@ -48,6 +48,7 @@ SKIPPED_ENV = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "PPID", "BASHPID", "RAND
 """Not restored: the shell's own bookkeeping."""
 SNAPSHOT_TIMEOUT_S = 300.0
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+WRITE_PIECE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,15 @@ async def restore(sandbox: Sandbox, roots: Sequence[Root], state: SandboxState) 
     archive = posixpath.join(folder, "files.tar")
     await sandbox.bash(f"(mkdir -m 700 -p {shlex.quote(folder)})", timeout_s=60)
     try:
-        await sandbox.write_file(archive, state.archive)
+        # In pieces: one runtime file call is bounded in time, and a repository's tree is tens of MiB.
+        pieces = [state.archive[i : i + WRITE_PIECE_BYTES] for i in range(0, len(state.archive), WRITE_PIECE_BYTES)]
+        names = [posixpath.join(folder, f"piece-{index:05d}") for index in range(len(pieces))]
+        for name, piece in zip(names, pieces, strict=True):
+            await sandbox.write_file(name, piece)
+        joined = " ".join(shlex.quote(name) for name in names)
+        result = await sandbox.bash(f"(cat {joined} > {shlex.quote(archive)} && rm -f {joined})", timeout_s=300)
+        if result.exit_code != 0:
+            raise SandboxError(f"the snapshot could not be written: {result.output[-300:]}", reason="fork_restore")
         args = {"archive": archive, "roots": [[r.key, paths[r.key], list(r.exclude)] for r in roots]}
         try:
             await _run_script(sandbox, _RESTORE, args, "restoring the snapshot")
