@@ -113,6 +113,10 @@ bench-load: setup
 bench-cluster: setup
 	$(PYTHON) bench/cluster.py
 
+# ForkJob: a branch at turn k against a fresh rollout replaying k turns (math sandbox, Django SWE task).
+bench-fork: setup
+	$(PYTHON) bench/fork.py
+
 # Subscribe: a finished-only and an every-event consumer side by side, a catch-up read, and the
 # server's RSS without a subscriber and with a slow one (no Podman: fake sandboxes, scripted LLM).
 bench-feed: setup

@@ -37,6 +37,7 @@ from prorl_server.gateway.aiohttp_adapter import GatewayServer
 from prorl_server.gateway.directory import GatewayDirectory
 from prorl_server.jobs.event_writer import FLUSH_INTERVAL_S
 from prorl_server.jobs.feed import Feed
+from prorl_server.jobs.forks import ForkRegistry
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.phases import PhaseGate, phase_gates
 from prorl_server.jobs.pipeline import Pipeline
@@ -112,6 +113,7 @@ class ProrlServer:
         self._notifications: Notifications | None = None
         self._coordinator: ClusterCoordinator | None = None
         self.jobs: JobService | None = None
+        self._forks: ForkRegistry | None = None
         self.port = 0
         self._stopped = False
         self._holds_checkers = False
@@ -162,7 +164,13 @@ class ProrlServer:
                 body_timeout_s=settings.gateway.body_timeout_s,
             )
             await self._gateway_server.start()
+        self._forks = forks = ForkRegistry(
+            Path(settings.sandbox.state_dir) / "forks" / settings.server.instance_id,
+            max_snapshot_bytes=settings.jobs.fork_snapshot_max_bytes,
+            max_total_bytes=settings.jobs.fork_snapshots_max_bytes,
+        )
         pipeline = Pipeline(
+            forks=forks,
             gates=self._gates,
             sandboxes=self._sandboxes,
             router=self._router,
@@ -190,6 +198,7 @@ class ProrlServer:
             # A cluster's watchers see an event once it is stored: write them sooner.
             flush_interval_s=CLUSTER_FLUSH_INTERVAL_S if cluster else FLUSH_INTERVAL_S,
             on_stored=self._feed.nudge,
+            forks=forks,
         )
         await self.manager.restore()
         await self._feed.start()
@@ -458,6 +467,8 @@ class ProrlServer:
             await self._store.close()
         if self._sandboxes is not None:
             await self._sandboxes.close()
+        if self._forks is not None:  # the state for forks dies with the server's memory: its files too
+            await self._forks.close()
         if self._holds_checkers:
             await checker_pool.release_shared_pool()
         if self._provider is not None:

@@ -112,6 +112,12 @@ class JobSettings(_Section):
     """The SQLite file; None: <sandbox.state_dir>/jobs/<server.instance_id>.sqlite."""
     retain_finished_s: float = Field(7 * 24 * 3600.0, gt=0)
     """How long the store keeps finished jobs."""
+    fork_snapshot_max_bytes: int = Field(64 * 1024 * 1024, ge=1)
+    """Files a forkable job's snapshot may hold at one turn (under <sandbox.state_dir>/forks);
+    a larger one leaves that turn unforkable (ForkJob says why)."""
+    fork_snapshots_max_bytes: int = Field(4 * 1024 * 1024 * 1024, ge=1)
+    """All snapshots this server keeps at once: beyond it the oldest finished jobs' snapshots are
+    dropped (their turns become unforkable); when running jobs' fill it, their later turns are."""
 
     @field_validator("store")
     @classmethod

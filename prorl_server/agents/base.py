@@ -23,12 +23,14 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from prorl_server.agents.branching import Branching
 from prorl_server.agents.outcomes import EvalOutcome, FailureInfo, Limits, RunOutcome
 from prorl_server.agents.recorder import TrajectoryRecorder
 from prorl_server.errors import InfrastructureError, InvalidArgument, PolicyError
 from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.sandbox.base import Sandbox
 from prorl_server.sandbox.output import cap_text
+from prorl_server.sandbox.snapshot import DEFAULT_ROOTS, Root
 from prorl_server.verifiers.judge import JobJudge
 
 # Re-exported: the value types every family uses.
@@ -116,6 +118,7 @@ class RolloutContext(Generic[InstanceT]):
         recorder: TrajectoryRecorder,
         model_gateway: GatewayOpener | None = None,
         judge: JobJudge | None = None,
+        branching: Branching | None = None,
     ) -> None:
         self.job_id = job_id
         self.instance = instance
@@ -128,6 +131,8 @@ class RolloutContext(Generic[InstanceT]):
         history), opened in a sandbox with `async with ctx.model_gateway(sandbox) as gateway`."""
         self._judge = judge
         self.recorder = recorder
+        self.branching = branching
+        """Set for a forkable job or a fork (agents/branching.py): the loop's turn boundaries."""
         self._sandbox_factory = sandbox_factory
         self._sandboxes = _JobSandboxes()
 
@@ -250,6 +255,12 @@ class AgentHandler(abc.ABC, Generic[InstanceT, OutcomeT]):
     instance_model: type[InstanceT]
     default_image: str | None = None
     """Image when the request names none; None: the server's default image."""
+    forkable: ClassVar[bool] = False
+    """Its run has turn boundaries a ForkJob can branch at (the shared tool loop has)."""
+
+    def fork_roots(self, instance: InstanceT) -> Sequence[Root]:
+        """The directories whose files a fork carries (sandbox/snapshot.py)."""
+        return DEFAULT_ROOTS
 
     def validate(self, instance: dict[str, Any]) -> InstanceT:
         """The instance as this family's model; InvalidArgument naming the field if unusable."""

@@ -67,9 +67,20 @@ async def run_tool_loop(
     recorder = ctx.recorder
     by_name = {tool.name: tool for tool in tools}
     schemas = [tool.schema() for tool in tools]
-    recorder.add_message({"role": "system", "content": system_prompt})
-    recorder.add_message({"role": "user", "content": user_prompt})
-    for turn in range(ctx.limits.max_turns):
+    branching = ctx.branching
+    first = 0
+    if branching is not None and branching.resume_after is not None:  # a fork: the parent's turns are in
+        await branching.resume(ctx)
+        first = branching.resume_after + 1
+    else:
+        recorder.add_message({"role": "system", "content": system_prompt})
+        recorder.add_message({"role": "user", "content": user_prompt})
+
+    async def boundary(turn: int) -> None:
+        if branching is not None and turn + 1 < ctx.limits.max_turns:
+            await branching.boundary(ctx, turn)
+
+    for turn in range(first, ctx.limits.max_turns):
         try:
             result = await ctx.chat(list(recorder.messages), schemas, ctx.sampling)
         except ContextLengthExceeded:
@@ -89,6 +100,7 @@ async def run_tool_loop(
             recorder.add_message(
                 {"role": "user", "content": f"No tool call found. {format_hint(parser)} Call finish with your answer."}
             )
+            await boundary(turn)
             continue
         as_user: list[str] = []
         finished: ToolOutput | None = None
@@ -108,6 +120,7 @@ async def run_tool_loop(
             recorder.add_message({"role": "user", "content": "\n".join(as_user)})
         if finished is not None:
             return RunOutcome("finish", answer=finished.answer)
+        await boundary(turn)
     return RunOutcome("max_turns")
 
 
@@ -123,6 +136,7 @@ class ToolLoopHandler(AgentHandler[InstanceT, OutcomeT]):
 
     system_prompt: str = "{tools}"
     tools: Sequence[Tool] = ()
+    forkable = True
 
     def system_text(self, instance: InstanceT) -> str:
         return self.system_prompt.format(tools=describe_tools(self.tools))

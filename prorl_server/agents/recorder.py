@@ -36,6 +36,20 @@ class TurnObserver(Protocol):
     def tool_call(self, tool: str, seconds: float) -> None: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class RecorderMark:
+    """A turn boundary of a recorder (TrajectoryRecorder.mark): its lists only grow."""
+
+    turn: int
+    messages: int
+    policy_versions: int
+    turn_spans: int
+    num_turns: int
+    format_errors: int
+    tool_output_left: int
+    routed_experts: RoutedExperts | None
+
+
 class TrajectoryRecorder:
     def __init__(
         self,
@@ -57,6 +71,32 @@ class TrajectoryRecorder:
         self.format_errors = 0
         self.llm_s = 0.0
         self.tools_s = 0.0
+
+    def mark(self, turn: int) -> RecorderMark:
+        """The trajectory as it stands after `turn`'s tool results."""
+        return RecorderMark(
+            turn,
+            len(self.messages),
+            len(self.policy_versions),
+            len(self.turn_spans),
+            self.num_turns,
+            self.format_errors,
+            self._tool_output_left,
+            self.routed_experts,
+        )
+
+    def branch(self, mark: RecorderMark, emit: EventSink, observer: TurnObserver | None = None) -> TrajectoryRecorder:
+        """A recorder for a fork: this one's trajectory up to `mark`, its events to `emit`.
+        Time spent (llm_s, tools_s) starts at 0: it is the fork's own."""
+        other = TrajectoryRecorder(emit, observer, tool_output_budget=self._tool_output_budget)
+        other.messages = [dict(m) for m in self.messages[: mark.messages]]
+        other.policy_versions = self.policy_versions[: mark.policy_versions]
+        other.turn_spans = self.turn_spans[: mark.turn_spans]
+        other.num_turns = mark.num_turns
+        other.format_errors = mark.format_errors
+        other._tool_output_left = mark.tool_output_left
+        other.routed_experts = mark.routed_experts
+        return other
 
     def add_message(self, message: dict[str, Any]) -> None:
         self.messages.append(message)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -34,6 +35,7 @@ from prorl_server.agents.fields import Seconds, Text
 from prorl_server.agents.loop import ToolLoopHandler, describe_tools
 from prorl_server.agents.tools import BashTool, EditorTool, FinishTool
 from prorl_server.errors import InfrastructureError, InvalidArgument, PolicyError
+from prorl_server.sandbox.snapshot import RUNTIME_SCRATCH, Root
 from prorl_server.verifiers.swe import RUNNER_SCRIPTS, judge, runner_command
 from prorl_server.verifiers.swebench.specs import EvalSpec, UnknownSpec, official_runner, spec_for
 
@@ -206,6 +208,11 @@ class SWEHandler(ToolLoopHandler[SWEInstance, SWERunOutcome]):
     name = "swe"
     instance_model = SWEInstance
     tools = (BashTool(), EditorTool(), SubmitTool())
+
+    def fork_roots(self, instance: SWEInstance) -> Sequence[Root]:
+        """The repository's working tree (its .git is the image's, at the same base commit) and
+        the temporary directory."""
+        return (Root("repo", instance.repo_dir, exclude=(".git",)), Root("tmp", exclude=RUNTIME_SCRATCH))
 
     def image_for(self, instance: SWEInstance) -> str | None:
         return instance.image

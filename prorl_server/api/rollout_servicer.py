@@ -122,6 +122,14 @@ class RolloutServicer(v1.RolloutServiceServicer):
         job = await self._jobs.cancel(request.job_id, request.reason)
         return v1.CancelResponse(job=wire.job(job))
 
+    async def ForkJob(  # noqa: N802
+        self, request: v1.ForkJobRequest, context: grpc.aio.ServicerContext
+    ) -> v1.ForkJobResponse:
+        branches = await self._jobs.fork(request)
+        return v1.ForkJobResponse(
+            jobs=[wire.job(job) for job, _ in branches], created=[created for _, created in branches]
+        )
+
     async def Subscribe(  # noqa: N802
         self, request: v1.SubscribeRequest, context: grpc.aio.ServicerContext
     ) -> None:

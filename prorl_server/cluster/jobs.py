@@ -27,7 +27,7 @@ from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.cluster.notifications import Notifications
 from prorl_server.cluster.store import UNREACHABLE, ClusterStore
 from prorl_server.config import Settings
-from prorl_server.errors import AlreadyExists, InvalidArgument, Unavailable
+from prorl_server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from prorl_server.jobs.manager import CANCEL_WAIT_S, JobManager
 from prorl_server.jobs.record import JobView
 from prorl_server.jobs.validation import check_cancel_reason, check_job_id, check_page, resolve_plan, unknown_job
@@ -151,6 +151,14 @@ class ClusterJobs:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(self._poll_s):
                             await changed.wait()
+
+    async def fork(self, request: v1.ForkJobRequest) -> Sequence[tuple[JobView, bool]]:
+        """Not in a cluster: a branch starts from state one server keeps in its memory and
+        files, and the cluster's queue would let any server claim it."""
+        raise FailedPrecondition(
+            "ForkJob is not available on a cluster (cluster.enabled): the state a branch starts from "
+            "is kept by one server; run forkable jobs on a single server"
+        )
 
     async def cancel(self, job_id: str, reason: str = "") -> JobView:
         check_cancel_reason(reason)

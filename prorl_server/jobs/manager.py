@@ -27,6 +27,7 @@ from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.config import Settings
 from prorl_server.errors import (
     AlreadyExists,
+    FailedPrecondition,
     InvalidArgument,
     ProrlError,
     ResourceExhausted,
@@ -34,6 +35,7 @@ from prorl_server.errors import (
 )
 from prorl_server.jobs.event_log import EventLog
 from prorl_server.jobs.event_writer import FLUSH_INTERVAL_S, EventWriter
+from prorl_server.jobs.forks import ForkRegistry, ForkStart
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
 from prorl_server.jobs.store import JobNotHeld, JobStore, StoredJob
@@ -44,6 +46,7 @@ from prorl_server.metrics import Metrics
 log = structlog.get_logger(__name__)
 
 CANCEL_WAIT_S = 60.0
+MAX_BRANCHES = 64
 
 
 class JobManager:
@@ -59,6 +62,7 @@ class JobManager:
         handover: Callable[[JobRecord], None] | None = None,
         flush_interval_s: float = FLUSH_INTERVAL_S,
         on_stored: Callable[[], None] | None = None,
+        forks: ForkRegistry | None = None,
     ) -> None:
         """`persist_retry_s`: how long a job's final write is retried while the store
         fails (0: tried once). `handover`: called for each job still running when
@@ -67,6 +71,7 @@ class JobManager:
         `on_stored`: called after each write that added events to the store (the event
         feed's nudge)."""
         self._on_stored = on_stored
+        self._forks = forks
         self._settings = settings
         self._persist_retry_s = persist_retry_s
         self._handover = handover
@@ -85,12 +90,14 @@ class JobManager:
 
     # --- submission ------------------------------------------------------------
 
-    def submit(self, request: v1.RolloutRequest) -> tuple[JobRecord, bool]:
-        """Queue a job; returns (job, created). Idempotent on job_id."""
+    def submit(self, request: v1.RolloutRequest, *, fork: ForkStart | None = None) -> tuple[JobRecord, bool]:
+        """Queue a job; returns (job, created). Idempotent on job_id. `fork`: the job is a
+        branch (ForkJob), which starts from that point of its parent."""
         self.check_accepting()
+        extra = fork.fingerprint() if fork is not None else b""
         if request.job_id:
             check_job_id(request.job_id)
-            fingerprint = request.SerializeToString(deterministic=True)
+            fingerprint = request.SerializeToString(deterministic=True) + extra
             existing = self._jobs.get(request.job_id)
             if existing is not None:
                 if existing.fingerprint != fingerprint:
@@ -103,7 +110,7 @@ class JobManager:
         else:
             job_id = uuid.uuid4().hex
             request = _with_job_id(request, job_id)
-            fingerprint = request.SerializeToString(deterministic=True)
+            fingerprint = request.SerializeToString(deterministic=True) + extra
         plan = resolve_plan(request, self._settings, self._registry)
         live = len(self._jobs) - len(self._finished)
         if live >= self._settings.jobs.max_queued:
@@ -118,8 +125,66 @@ class JobManager:
             plan=plan,
             create_time=time.time(),
             events=EventLog(job_id),
+            fork=fork,
         )
         return self._admit(job), True
+
+    def fork(self, request: v1.ForkJobRequest) -> list[tuple[JobRecord, bool]]:
+        """Branch a job after one of its turns into one new job per branch (ForkJob)."""
+        self.check_accepting()
+        if not 1 <= len(request.branches) <= MAX_BRANCHES:
+            raise InvalidArgument(f"branches must hold 1 to {MAX_BRANCHES} branches, got {len(request.branches)}")
+        ids = [branch.job_id for branch in request.branches if branch.job_id]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("branches name the same job_id more than once; give each branch its own")
+        parent = self.get(request.job_id)
+        if parent.plan is None or not parent.plan.handler.forkable:
+            handler = parent.request.handler
+            raise FailedPrecondition(
+                f"job {request.job_id!r} cannot be branched: its family {handler!r} has no turn boundaries"
+                if parent.plan is not None
+                else f"job {request.job_id!r} was restored from the store: the state it kept for forks is gone"
+            )
+        if self._forks is None:
+            raise FailedPrecondition("this server keeps no state for forks")
+        source, boundary = self._forks.start(request.job_id, request.after_turn, forkable=parent.request.forkable)
+        root = parent.fork.root_job_id if parent.fork is not None else parent.job_id
+        starts: list[tuple[v1.RolloutRequest, ForkStart]] = []
+        for branch in request.branches:
+            child = v1.RolloutRequest()
+            child.CopyFrom(parent.request)
+            child.job_id = branch.job_id
+            child.forkable = True
+            child.priority = branch.priority
+            if branch.group_id:
+                child.group_id = branch.group_id
+            if branch.labels:
+                child.labels.clear()
+                child.labels.update(branch.labels)
+            if branch.HasField("sampling"):
+                child.sampling.CopyFrom(branch.sampling)
+            start = ForkStart(parent.job_id, root, boundary, source, branch.train_prefix)
+            self._check_branch(child, start)
+            starts.append((child, start))
+        branches = [self.submit(child, fork=start) for child, start in starts]
+        for (job, created), (_, start) in zip(branches, starts, strict=True):
+            if created:
+                self._forks.reserve(job.job_id, start)
+        return branches
+
+    def _check_branch(self, child: v1.RolloutRequest, start: ForkStart) -> None:
+        """Refuse a branch before any of its ForkJob's branches is started."""
+        if not child.job_id:
+            resolve_plan(child, self._settings, self._registry)
+            return
+        check_job_id(child.job_id)
+        existing = self._jobs.get(child.job_id)
+        fingerprint = child.SerializeToString(deterministic=True) + start.fingerprint()
+        if existing is not None and existing.fingerprint != fingerprint:
+            raise AlreadyExists(
+                f"job id {child.job_id!r} is already used by a different request; choose a new job id for the branch"
+            )
+        resolve_plan(child, self._settings, self._registry)
 
     def check_accepting(self) -> None:
         if not self._accepting:
@@ -170,6 +235,8 @@ class JobManager:
     def _admit(self, job: JobRecord) -> JobRecord:
         """Queue a job whose plan is resolved: from here on it runs to an outcome."""
         job.events.append(queued=v1.JobQueued(queue_position=self._pipeline.waiting, attempt=job.attempt))
+        if job.fork is not None:
+            job.events.append(forked=job.fork.forked_event())
         return self._start(job)
 
     def _start(self, job: JobRecord, *, stored: int = 0) -> JobRecord:
@@ -209,7 +276,9 @@ class JobManager:
             await self._writer.finish(job.job_id)
         if self._store is not None and job.result is not None:
             await self._persist(job)
-        self._retire(job)
+        for forgotten in self._retire(job):
+            if self._forks is not None:
+                await self._forks.release(forgotten)
 
     async def _persist(self, job: JobRecord) -> None:
         assert self._store is not None and job.result is not None
@@ -318,10 +387,14 @@ class JobManager:
         job.events.append(finished=v1.JobFinished(result=job.result))
         job.events.close()
 
-    def _retire(self, job: JobRecord) -> None:
+    def _retire(self, job: JobRecord) -> list[str]:
+        """Count the job finished; returns the ids of the jobs no longer retained."""
         self._finished.append(job.job_id)
+        forgotten: list[str] = []
         while len(self._finished) > self._settings.jobs.retain_finished:
-            self._jobs.pop(self._finished.popleft(), None)
+            forgotten.append(self._finished.popleft())
+            self._jobs.pop(forgotten[-1], None)
+        return forgotten
 
     # --- queries ---------------------------------------------------------------
 

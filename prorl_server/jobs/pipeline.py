@@ -29,6 +29,7 @@ from prorl_server.gateway.app import ModelGateway
 from prorl_server.gateway.chains import CallChains
 from prorl_server.gateway.directory import GatewayDirectory, job_path
 from prorl_server.jobs import wire
+from prorl_server.jobs.forks import ForkRegistry, JobBranching
 from prorl_server.jobs.phase_runner import PhaseResult, PhaseRunner, PhaseTimes
 from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.record import JobPlan, JobRecord
@@ -79,10 +80,13 @@ class Pipeline:
         gateway_host: str = "",
         gateway_limits: GatewaySettings | None = None,
         judge: ModelJudge | None = None,
+        forks: ForkRegistry | None = None,
     ) -> None:
         """`gateways`: where jobs' model gateways are listed for the server's gateway port, whose
         number `gateway_port()` gives (None: not served outside the sandboxes), on `gateway_host`."""
         self._gateways = gateways if gateways is not None else GatewayDirectory()
+        self._forks = forks
+        """Where forkable jobs keep their turn boundaries (None: no job is forkable)."""
         self._gateway_port = gateway_port
         self._gateway_host = gateway_host
         self._gateway_limits = gateway_limits or GatewaySettings()
@@ -131,7 +135,21 @@ class Pipeline:
                 self._gateways.remove(job.job_id)
                 await handle.close()
 
-        recorder = TrajectoryRecorder(emit, self._metrics)
+        fork = job.fork
+        if fork is not None and fork.boundary.recorder is not None:
+            recorder = fork.source.recorder.branch(fork.boundary.recorder, emit, self._metrics)
+        else:
+            recorder = TrajectoryRecorder(emit, self._metrics)
+        branching: JobBranching | None = None
+        if self._forks is not None and job.request.forkable and plan.handler.forkable:
+            source = self._forks.track(
+                job.job_id,
+                roots=tuple(plan.handler.fork_roots(plan.instance)),
+                recorder=recorder,
+                chat=session.job_chat,
+                start=fork,
+            )
+            branching = JobBranching(self._forks, source, fork)
         return RolloutContext(
             job_id=job.job_id,
             instance=plan.instance,
@@ -142,12 +160,19 @@ class Pipeline:
             recorder=recorder,
             model_gateway=model_gateway,
             judge=self._judge.for_job(job.job_id, wait_clock=clock) if self._judge is not None else None,
+            branching=branching,
         )
 
     async def execute(self, job: JobRecord) -> None:
         plan = job.plan
         assert plan is not None, "a restored job never runs again"
-        session = LLMSession(job.job_id, self._router, min_policy_version=plan.min_policy_version)
+        fork = job.fork
+        job_chat = (
+            fork.source.chat.branch(fork.boundary.conversation, train_prefix=fork.train_prefix)
+            if fork is not None
+            else None
+        )
+        session = LLMSession(job.job_id, self._router, job_chat=job_chat, min_policy_version=plan.min_policy_version)
         chains = CallChains(
             job.job_id,
             self._router,
@@ -218,6 +243,8 @@ class Pipeline:
         except Exception as exc:  # the job's outcome stands; the leftover is reaped by label
             log.error("sandbox_cleanup_failed", error=str(exc))
         self._router.forget(job.job_id)
+        if self._forks is not None:
+            self._forks.finished(job.job_id)
         result = self._result(job, ctx, models, outcome, cleanup_s=time.monotonic() - cleanup_started)
         job.result = result
         job.status = outcome.status
@@ -269,4 +296,5 @@ class Pipeline:
                 cleanup=wire.duration(cleanup_s),
             ),
             details=wire.to_struct(details),
+            fork_origin=job.fork.origin() if job.fork is not None else None,
         )

@@ -9,6 +9,7 @@ from typing import Protocol
 from prorl_client import v1
 from prorl_server.agents.base import AnyHandler, Limits, TaskInstance
 from prorl_server.jobs.event_log import EventLog
+from prorl_server.jobs.forks import ForkStart
 from prorl_server.llm.base import Sampling
 
 FINISHED_STATUSES = frozenset(
@@ -86,6 +87,8 @@ class JobRecord:
     """The job's task has begun to run (before that, cancelling the task would skip its cleanup)."""
     stored_events: int = 0
     """Its first events already in the store when it started here (a cluster's job)."""
+    fork: ForkStart | None = field(default=None, repr=False)
+    """Set for a branch made by ForkJob: where it starts."""
 
     @property
     def last_seq(self) -> int:

@@ -40,6 +40,10 @@ class JobService(Protocol):
         """Cancel a job and wait (within a limit) until it has ended."""
         ...
 
+    async def fork(self, request: v1.ForkJobRequest) -> Sequence[tuple[JobView, bool]]:
+        """Branch a job after one of its turns (ForkJob); (job, created) per branch."""
+        ...
+
 
 class LocalJobs:
     """The jobs of this one server."""
@@ -72,3 +76,6 @@ class LocalJobs:
 
     async def cancel(self, job_id: str, reason: str = "") -> JobView:
         return await self._manager.cancel(job_id, reason)
+
+    async def fork(self, request: v1.ForkJobRequest) -> Sequence[tuple[JobView, bool]]:
+        return self._manager.fork(request)

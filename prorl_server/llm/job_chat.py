@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prorl_server.llm.base import ChatBackend, ChatResult, LLMBackend, Sampling, TokenBackend
-from prorl_server.llm.token_conversation import TokenConversation
+from prorl_server.llm.token_conversation import ConversationMark, TokenConversation
 
 
 class JobChat:
@@ -86,6 +86,17 @@ class JobChat:
             token_offset=conversation.turn_spans[-1][0],
             routed_experts=generation.routed_experts,
         )
+
+    def mark(self) -> ConversationMark | None:
+        """The token conversation's current boundary (None before any token turn)."""
+        return self._conversation.mark() if self._conversation is not None else None
+
+    def branch(self, mark: ConversationMark | None, *, train_prefix: bool) -> JobChat:
+        """A JobChat that goes on from `mark` of this one's token conversation (llm/token_conversation.py)."""
+        other = JobChat(native_tools=self._native_tools)
+        if mark is not None and self._conversation is not None:
+            other._conversation = self._conversation.branch(mark, train_prefix=train_prefix)
+        return other
 
     def turn_spans(self) -> list[tuple[int, int]]:
         """(start, end) of each token turn's sampled ids in the token trajectory; empty without token turns."""

@@ -76,6 +76,11 @@ class LLMSession:
                 model_wait_s=waited,
             )
 
+    @property
+    def job_chat(self) -> JobChat:
+        """The job's token trajectory (a fork branches from it)."""
+        return self._job_chat
+
     def turn_spans(self) -> list[tuple[int, int]]:
         """(start, end) of each turn's sampled ids in the token trajectory; empty for chat backends."""
         return self._job_chat.turn_spans()

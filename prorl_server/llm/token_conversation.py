@@ -71,6 +71,16 @@ its generation with `<|return|>` or `<|call|>`). Used only when the tokenizer ha
 
 
 @dataclass(frozen=True)
+class ConversationMark:
+    """A turn boundary of a TokenConversation (TokenConversation.mark)."""
+
+    tokens: int
+    turns: int
+    messages: int
+    sampled_stop: int | None
+
+
+@dataclass(frozen=True)
 class _Layout:
     reply_end: int
     """Where the reply's turn (its own end-of-turn token included) ends in the rendering."""
@@ -133,6 +143,26 @@ class TokenConversation:
         self._messages.append(assistant)
         self._sampled_stop = sampled_ids[-1] if sampled_ids and sampled_ids[-1] in self._tokenizer.stop_ids else None
         self._awaiting_reply = False
+
+    def mark(self) -> ConversationMark:
+        """Where the conversation is now: a point a branch can start from (the lists only grow)."""
+        if self._awaiting_reply:
+            raise LLMError("no branch point while a reply is awaited", reason="llm_prompt")
+        return ConversationMark(len(self.token_ids), len(self.turn_spans), len(self._messages), self._sampled_stop)
+
+    def branch(self, mark: ConversationMark, *, train_prefix: bool) -> TokenConversation:
+        """A new conversation holding exactly this one's ids, log-probs and turns up to `mark`; its
+        loss mask is 0 on that prefix unless `train_prefix` (the branch's own turns get 1)."""
+        other = TokenConversation.__new__(TokenConversation)
+        other.__dict__.update(self.__dict__)
+        other._messages = [dict(m) for m in self._messages[: mark.messages]]
+        other.token_ids = self.token_ids[: mark.tokens]
+        other.loss_mask = self.loss_mask[: mark.tokens] if train_prefix else [0] * mark.tokens
+        other.logprobs = self.logprobs[: mark.tokens]
+        other.turn_spans = self.turn_spans[: mark.turns]
+        other._awaiting_reply = False
+        other._sampled_stop = mark.sampled_stop
+        return other
 
     def _render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """Always with the job's tools: templates that declare them unconditionally need them on every render."""

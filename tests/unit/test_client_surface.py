@@ -39,7 +39,7 @@ def test_connect_takes_a_target_and_keyword_only_options() -> None:
 def test_rpc_names_follow_the_contract() -> None:
     rollout = rollout_service_pb2.DESCRIPTOR.services_by_name["RolloutService"]
     assert [m.name for m in rollout.methods] == [
-        "Rollout", "RolloutStream", "Submit", "Watch", "GetJob", "ListJobs", "Cancel", "Subscribe",
+        "Rollout", "RolloutStream", "Submit", "Watch", "GetJob", "ListJobs", "Cancel", "Subscribe", "ForkJob",
     ]  # fmt: skip
     admin = admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"]
     assert [m.name for m in admin.methods] == [

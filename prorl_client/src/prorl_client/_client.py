@@ -344,6 +344,14 @@ class Client:
         response: v1.CancelResponse = await _unary(self._rollouts.Cancel(request, metadata=self._metadata))
         return response.job
 
+    async def fork_job(self, job_id: str, after_turn: int, branches: Sequence[v1.ForkBranch]) -> v1.ForkJobResponse:
+        """Branch a forkable job (running or finished) after its model turn `after_turn` into
+        one new job per branch, each starting from the job's exact token ids and sandbox files
+        at that turn; returns the new jobs in the branches' order."""
+        request = v1.ForkJobRequest(job_id=job_id, after_turn=after_turn, branches=list(branches))
+        response: v1.ForkJobResponse = await _unary(self._rollouts.ForkJob(request, metadata=self._metadata))
+        return response
+
     # --- AdminService --------------------------------------------------------
 
     async def add_backend(self, backend: v1.Backend) -> v1.Backend:

@@ -60,7 +60,7 @@ LOGPROBS_MODE_PROCESSED: LogprobsMode
 LOGPROBS_MODE_RAW: LogprobsMode
 
 class RolloutRequest(_message.Message):
-    __slots__ = ("job_id", "handler", "instance", "sampling", "limits", "sandbox", "group_id", "priority", "labels", "retry", "min_policy_version")
+    __slots__ = ("job_id", "handler", "instance", "sampling", "limits", "sandbox", "group_id", "priority", "labels", "retry", "min_policy_version", "forkable")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class RolloutRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     RETRY_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FORKABLE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     handler: str
     instance: _struct_pb2.Struct
@@ -90,7 +91,8 @@ class RolloutRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     retry: RetryPolicy
     min_policy_version: int
-    def __init__(self, job_id: _Optional[str] = ..., handler: _Optional[str] = ..., instance: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., limits: _Optional[_Union[AgentLimits, _Mapping]] = ..., sandbox: _Optional[_Union[SandboxSpec, _Mapping]] = ..., group_id: _Optional[str] = ..., priority: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., min_policy_version: _Optional[int] = ...) -> None: ...
+    forkable: bool
+    def __init__(self, job_id: _Optional[str] = ..., handler: _Optional[str] = ..., instance: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., limits: _Optional[_Union[AgentLimits, _Mapping]] = ..., sandbox: _Optional[_Union[SandboxSpec, _Mapping]] = ..., group_id: _Optional[str] = ..., priority: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., forkable: _Optional[bool] = ...) -> None: ...
 
 class RetryPolicy(_message.Message):
     __slots__ = ("max_restarts",)
@@ -276,7 +278,7 @@ class Timing(_message.Message):
     def __init__(self, queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., init: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., run: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., eval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., llm: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tools: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., sandbox_acquire: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., total: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., cleanup: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class RolloutResult(_message.Message):
-    __slots__ = ("job_id", "status", "failure", "reward", "trajectory", "timing", "details")
+    __slots__ = ("job_id", "status", "failure", "reward", "trajectory", "timing", "details", "fork_origin")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +286,7 @@ class RolloutResult(_message.Message):
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    FORK_ORIGIN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: JobStatus
     failure: Failure
@@ -291,7 +294,22 @@ class RolloutResult(_message.Message):
     trajectory: Trajectory
     timing: Timing
     details: _struct_pb2.Struct
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., reward: _Optional[float] = ..., trajectory: _Optional[_Union[Trajectory, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., details: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    fork_origin: ForkOrigin
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., reward: _Optional[float] = ..., trajectory: _Optional[_Union[Trajectory, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., details: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., fork_origin: _Optional[_Union[ForkOrigin, _Mapping]] = ...) -> None: ...
+
+class ForkOrigin(_message.Message):
+    __slots__ = ("parent_job_id", "parent_turn", "root_job_id", "prefix_tokens", "train_prefix")
+    PARENT_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_TURN_FIELD_NUMBER: _ClassVar[int]
+    ROOT_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    parent_job_id: str
+    parent_turn: int
+    root_job_id: str
+    prefix_tokens: int
+    train_prefix: bool
+    def __init__(self, parent_job_id: _Optional[str] = ..., parent_turn: _Optional[int] = ..., root_job_id: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., train_prefix: _Optional[bool] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "status", "phase", "handler", "group_id", "labels", "create_time", "start_time", "end_time", "last_seq", "result")
@@ -327,7 +345,7 @@ class Job(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., phase: _Optional[_Union[Phase, str]] = ..., handler: _Optional[str] = ..., group_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., result: _Optional[_Union[RolloutResult, _Mapping]] = ...) -> None: ...
 
 class RolloutEvent(_message.Message):
-    __slots__ = ("job_id", "seq", "time", "queued", "phase_started", "model_turn", "tool_call", "tool_result", "evaluation", "finished", "gateway_opened")
+    __slots__ = ("job_id", "seq", "time", "queued", "phase_started", "model_turn", "tool_call", "tool_result", "evaluation", "finished", "gateway_opened", "forked")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +357,7 @@ class RolloutEvent(_message.Message):
     EVALUATION_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_OPENED_FIELD_NUMBER: _ClassVar[int]
+    FORKED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     seq: int
     time: _timestamp_pb2.Timestamp
@@ -350,7 +369,18 @@ class RolloutEvent(_message.Message):
     evaluation: Evaluation
     finished: JobFinished
     gateway_opened: GatewayOpened
-    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queued: _Optional[_Union[JobQueued, _Mapping]] = ..., phase_started: _Optional[_Union[PhaseStarted, _Mapping]] = ..., model_turn: _Optional[_Union[ModelTurn, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., gateway_opened: _Optional[_Union[GatewayOpened, _Mapping]] = ...) -> None: ...
+    forked: JobForked
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queued: _Optional[_Union[JobQueued, _Mapping]] = ..., phase_started: _Optional[_Union[PhaseStarted, _Mapping]] = ..., model_turn: _Optional[_Union[ModelTurn, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., gateway_opened: _Optional[_Union[GatewayOpened, _Mapping]] = ..., forked: _Optional[_Union[JobForked, _Mapping]] = ...) -> None: ...
+
+class JobForked(_message.Message):
+    __slots__ = ("origin", "not_carried", "carried_paths")
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    NOT_CARRIED_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_PATHS_FIELD_NUMBER: _ClassVar[int]
+    origin: ForkOrigin
+    not_carried: _containers.RepeatedScalarFieldContainer[str]
+    carried_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, origin: _Optional[_Union[ForkOrigin, _Mapping]] = ..., not_carried: _Optional[_Iterable[str]] = ..., carried_paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GatewayOpened(_message.Message):
     __slots__ = ("path", "api_key", "port", "host")

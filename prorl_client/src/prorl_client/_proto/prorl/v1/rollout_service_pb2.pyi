@@ -185,3 +185,44 @@ class FeedEvent(_message.Message):
     group_id: str
     labels: _containers.ScalarMap[str, str]
     def __init__(self, cursor: _Optional[str] = ..., event: _Optional[_Union[_rollout_pb2.RolloutEvent, _Mapping]] = ..., attempt: _Optional[int] = ..., store_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., handler: _Optional[str] = ..., group_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ForkJobRequest(_message.Message):
+    __slots__ = ("job_id", "after_turn", "branches")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TURN_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    after_turn: int
+    branches: _containers.RepeatedCompositeFieldContainer[ForkBranch]
+    def __init__(self, job_id: _Optional[str] = ..., after_turn: _Optional[int] = ..., branches: _Optional[_Iterable[_Union[ForkBranch, _Mapping]]] = ...) -> None: ...
+
+class ForkBranch(_message.Message):
+    __slots__ = ("job_id", "group_id", "sampling", "labels", "train_prefix", "priority")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group_id: str
+    sampling: _rollout_pb2.SamplingParams
+    labels: _containers.ScalarMap[str, str]
+    train_prefix: bool
+    priority: int
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sampling: _Optional[_Union[_rollout_pb2.SamplingParams, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., train_prefix: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class ForkJobResponse(_message.Message):
+    __slots__ = ("jobs", "created")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[_rollout_pb2.Job]
+    created: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[_rollout_pb2.Job, _Mapping]]] = ..., created: _Optional[_Iterable[bool]] = ...) -> None: ...

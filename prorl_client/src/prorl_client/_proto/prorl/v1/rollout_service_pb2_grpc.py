@@ -84,6 +84,11 @@ class RolloutServiceStub:
                 request_serializer=prorl_dot_v1_dot_rollout__service__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=prorl_dot_v1_dot_rollout__service__pb2.SubscribeResponse.FromString,
                 _registered_method=True)
+        self.ForkJob = channel.unary_unary(
+                '/prorl.v1.RolloutService/ForkJob',
+                request_serializer=prorl_dot_v1_dot_rollout__service__pb2.ForkJobRequest.SerializeToString,
+                response_deserializer=prorl_dot_v1_dot_rollout__service__pb2.ForkJobResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -173,6 +178,23 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkJob(self, request, context):
+        """Branches a job (running or finished) after one of its model turns into
+        new jobs: each starts from the job's messages and exact token ids up to
+        the end of that turn and from a sandbox whose files are the job's at that
+        turn, and samples on from there. The job itself is not disturbed. Only a
+        job submitted with `forkable` (or itself a fork) keeps the state a fork
+        starts from. NOT_FOUND: unknown job; OUT_OF_RANGE: the job has no such
+        turn (or has not finished it yet, for a running job); FAILED_PRECONDITION:
+        the job is not forkable, its family has no turns to branch at, or the
+        state at that turn was lost (the message says why); INVALID_ARGUMENT: a
+        malformed branch; ALREADY_EXISTS: a branch's job id is taken.
+        Idempotent per branch job id, as Submit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +237,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.Subscribe,
                     request_deserializer=prorl_dot_v1_dot_rollout__service__pb2.SubscribeRequest.FromString,
                     response_serializer=prorl_dot_v1_dot_rollout__service__pb2.SubscribeResponse.SerializeToString,
+            ),
+            'ForkJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkJob,
+                    request_deserializer=prorl_dot_v1_dot_rollout__service__pb2.ForkJobRequest.FromString,
+                    response_serializer=prorl_dot_v1_dot_rollout__service__pb2.ForkJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +468,33 @@ class RolloutService:
             '/prorl.v1.RolloutService/Subscribe',
             prorl_dot_v1_dot_rollout__service__pb2.SubscribeRequest.SerializeToString,
             prorl_dot_v1_dot_rollout__service__pb2.SubscribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prorl.v1.RolloutService/ForkJob',
+            prorl_dot_v1_dot_rollout__service__pb2.ForkJobRequest.SerializeToString,
+            prorl_dot_v1_dot_rollout__service__pb2.ForkJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,27 @@
+"""How a tool loop takes part in forking (ForkJob): the seam between agents/ and jobs/forks.py.
+
+A forkable job's loop tells `boundary(turn)` after each turn whose tool results it
+has recorded (the jobs layer snapshots the sandbox and marks the trajectory there);
+a fork's loop starts with `resume`, which restores the parent's sandbox state into
+the fork's fresh sandbox, and then goes on at turn `resume_after + 1` with the
+recorder and token conversation the jobs layer built from the parent's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Branching(Protocol):
+    @property
+    def resume_after(self) -> int | None:
+        """For a fork: the parent's turn it branched after; None for a job that starts afresh."""
+        ...
+
+    async def resume(self, ctx: Any) -> None:
+        """Put the parent's sandbox state at `resume_after` into this job's sandbox."""
+        ...
+
+    async def boundary(self, ctx: Any, turn: int) -> None:
+        """`turn` and its tool results are recorded and the loop goes on: keep this point."""
+        ...
