@@ -155,7 +155,8 @@ def map_base(image: str, extra: dict[str, str]) -> str:
 
 
 def _packages(words: list[str]) -> list[str]:
-    return [word for word in words if not word.startswith("-") and "=" not in word] or []
+    """The arguments of an install command that are not options."""
+    return [word for word in words if not word.startswith("-")]
 
 
 def translate_run(command: str) -> tuple[list[str], list[str]]:
@@ -165,7 +166,9 @@ def translate_run(command: str) -> tuple[list[str], list[str]]:
         if not part:
             continue
         words = shlex.split(part, posix=True) if part else []
-        head = [word for word in words if word not in ("sudo", "DEBIAN_FRONTEND=noninteractive")]
+        head = [word for word in words if word != "sudo"]
+        while head and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", head[0]):  # VAR=value before the command
+            head.pop(0)
         if head[:1] in (["apt-get"], ["apt"]):
             verb = next((word for word in head[1:] if not word.startswith("-")), "")
             if verb in ("update", "clean", "autoremove", "autoclean"):
@@ -186,12 +189,14 @@ def translate_run(command: str) -> tuple[list[str], list[str]]:
             rest = head[head.index("install") + 1 :] if "install" in head else None
             if rest is None:
                 raise Refused(f"its Dockerfile runs {part!r}: only pip install is understood")
+            if any(word in ("-r", "--requirement", "-e", "--editable", ".") for word in rest):
+                raise Refused(f"its Dockerfile pip-installs from a file or folder ({part!r}): the build has no network")
             packages = [re.split(r"[=<>!~\[ ]", p, maxsplit=1)[0].lower() for p in _packages(rest)]
             missing = [p for p in packages if p not in LOCAL_PIP_PACKAGES]
-            if missing or any(word in ("-r", "--requirement", "-e", "--editable") for word in rest):
+            if missing:
                 raise Refused(
-                    f"its Dockerfile pip-installs {', '.join(missing) or 'from a file'}: the local base image "
-                    "lacks them and the build has no network (pre-load an image that has them)"
+                    f"its Dockerfile pip-installs {', '.join(missing)}: the local base image lacks them and the "
+                    "build has no network (pre-load an image that has them)"
                 )
             dropped.append(part)
             continue
