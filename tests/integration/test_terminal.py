@@ -52,7 +52,9 @@ async def run_terminal(scripted_llm: Any, start_server: Any, task_id: str, *line
 
 
 def statuses(result: v1.RolloutResult) -> dict[str, str]:
-    return {test: str(status) for test, status in dict(result.details["tests"]).items()}
+    """Each test's status by `file.py::test` (pytest names it from its root folder, which depends
+    on its version: /tests for the image's pytest 7, / for pytest 8)."""
+    return {test.rsplit("/", 1)[-1]: str(status) for test, status in dict(result.details["tests"]).items()}
 
 
 @pytest.mark.parametrize("task_id", sorted(TASKS))

@@ -23,6 +23,8 @@ import pytest_asyncio
 from prorl_client.harbor_import import import_folders
 
 from prorl_server.agents import terminal
+from prorl_server.agents.command import CommandHandler
+from prorl_server.errors import InvalidArgument
 from prorl_server.sandbox.runtime import prorl_judge
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
@@ -268,3 +270,15 @@ def test_the_state_never_leaves_the_working_directory(tmp_path: Path) -> None:
     assert written == 2 and len(skipped) == 5, skipped
     assert not list(outside.iterdir()) and not (tmp_path / "escaped.txt").exists()
     assert not (app / "hard").exists() and not (app / "fifo").exists()
+
+
+def test_an_agent_program_is_judged_on_its_working_directory() -> None:
+    handler = CommandHandler()
+    program = {"argv": ["agent"], "cwd": "/app"}
+    task = TASKS["hello-world"]
+    instance = handler.validate({"program": program, "verifier": "terminal", "task": task, "submission": "workdir"})
+    assert handler.image_for(instance) == task["image"]
+    for verifier, submission in (("terminal", "last_line"), ("math", "workdir")):
+        judged = task if verifier == "terminal" else {"question": "?", "answer": "1"}
+        with pytest.raises(InvalidArgument, match="working directory"):
+            handler.validate({"program": program, "verifier": verifier, "task": judged, "submission": submission})
