@@ -7,7 +7,8 @@ the working directory of the fresh sandbox, unpacks the agent's archive of it
 there (no member outside it, none written through a link), removes whatever
 stands in the tests folder and puts the task's test files there, then runs
 the test files that the task's test.sh runs with the SWE judge's pytest
-runner, from the working directory. Each test's outcome comes from that
+runner, from the working directory (not put on sys.path, as for test.sh's
+pytest command). Each test's outcome comes from that
 runner's reporter over its keyed pipe, with every guard of the SWE judge
 (plugins or hooks registered by the code under test, swapped test functions,
 test files rewritten at import, trace functions); after the run the tests

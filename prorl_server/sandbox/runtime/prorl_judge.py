@@ -1136,6 +1136,8 @@ def run_pytest(repo, spec, tests, workdir, digests):
         env["PYTHONPATH"] = ":".join(paths)  # for the processes the tests start
     pycache = tempfile.mkdtemp(prefix="pycache-", dir=workdir)
     options += ["--pycache", pycache]
+    if spec.get("cwd_on_path", True) is False:
+        options += ["--cwd-on-path", "no"]
     key, frames, problem, timed_out, code, log, truncated = run_child(
         [sys.executable, "-I", "-B", "-u"], "pytest", options, tests, repo, env, workdir, float(spec["timeout_s"]),
         briefing={"digests": digests},
@@ -1246,7 +1248,8 @@ def aggregate_reports(frames, tests, key):
 # a link, no device, no hard link, nothing outside it), puts the task's test
 # files in the tests folder (whatever stood there removed first), and runs the
 # test files with the pytest runner above from the working directory, as
-# Harbor's test.sh does. The outcome is the reporter's; the tests folder is
+# Harbor's test.sh does (its pytest command puts no working directory on
+# sys.path, so neither does the runner here). The outcome is the reporter's; the tests folder is
 # compared after the run with what was put there.
 
 
@@ -1397,7 +1400,8 @@ def _judge_terminal(spec, scratch):
     for name in spec["run"]:
         paths.append(os.path.join(tests_dir, *safe_parts(str(name))))
     verdict["stage"] = "tests"
-    verdict.update(ok=True, **run_pytest(app, {"timeout_s": spec["timeout_s"]}, paths, scratch, digests))
+    run_spec = {"timeout_s": spec["timeout_s"], "cwd_on_path": False}
+    verdict.update(ok=True, **run_pytest(app, run_spec, paths, scratch, digests))
     after = tree_digests(tests_dir)
     changed = [
         "%s (%s)" % (path, "new" if path not in before else "deleted" if path not in after else "rewritten")
@@ -1598,7 +1602,7 @@ def _codes(code):
     return found
 
 
-def pytest_runner(report_fd, paths, args, pycache=""):
+def pytest_runner(report_fd, paths, args, pycache="", cwd_on_path=True):
     """The child that runs pytest; the code under test is imported here."""
     harden()
     os.set_inheritable(report_fd, False)
@@ -1818,7 +1822,9 @@ def pytest_runner(report_fd, paths, args, pycache=""):
             tampered("the runner's guard on trace functions removed")
         check_hooks()
 
-    sys.path[0:0] = [repo] + list(paths)  # what `python -m pytest` with PYTHONPATH would see
+    # What `python -m pytest` with PYTHONPATH would see; terminal mode runs pytest as Harbor's
+    # test.sh does (its console script), with no working directory on sys.path.
+    sys.path[0:0] = ([repo] if cwd_on_path else []) + list(paths)
     sys.argv = [os.path.join(os.path.dirname(pytest.__file__), "__main__.py")] + list(args)
     code = int(pytest.main(["-rA", "-p", "no:cacheprovider"] + list(args), plugins=[Reporter()]))
     send({"kind": "exit", "code": code})
@@ -2339,7 +2345,11 @@ def main(argv):
         candidate_worker(int(options["--fd-in"][0]), int(options["--fd-out"][0]))
     elif mode == "pytest":
         pytest_runner(
-            int(options["--report-fd"][0]), options.get("--path", []), positional, (options.get("--pycache") or [""])[0]
+            int(options["--report-fd"][0]),
+            options.get("--path", []),
+            positional,
+            (options.get("--pycache") or [""])[0],
+            (options.get("--cwd-on-path") or ["yes"])[0] != "no",
         )
     elif mode == "django":
         django_runner(int(options["--report-fd"][0]), positional)
