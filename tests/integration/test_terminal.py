@@ -108,7 +108,8 @@ async def test_a_conftest_and_a_shadowing_module_in_the_workdir_score_zero(scrip
     shadow = "import _pytest.reports\n_pytest.reports.TestReport.outcome = 'passed'\n"
     hack = f"cat > conftest.py <<'EOF'\n{conftest}EOF\ncat > csv.py <<'EOF'\n{shadow}EOF\ncp conftest.py pytest.ini"
     result = await run_terminal(scripted_llm, start_server, "csv-region-totals", hack)
-    assert result.reward == 0.0 and result.details["verdict"] in ("failed", "tampered", "no_verdict"), result.details
+    assert result.reward == 0.0 and result.details["verdict"] == "failed", result.details
+    assert statuses(result)["test_outputs.py::test_input_is_untouched"] == "PASSED"  # the real csv module
 
 
 async def test_a_link_out_of_the_workdir_carries_nothing_over(scripted_llm, start_server) -> None:

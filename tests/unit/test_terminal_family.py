@@ -198,10 +198,10 @@ async def test_printing_pytest_success_scores_zero(provider: FakeSandboxProvider
     assert statuses(run)["test_outputs.py::test_hidden_text"] == "FAILED", run.details
 
 
-async def test_printing_a_passing_summary_from_a_test_is_tampering(provider: FakeSandboxProvider) -> None:
-    # The one test of hello-world that reads nothing but the file passes; the printed summary of the
-    # agent's program (run by no test here: printed through the file's own content) is ignored, and
-    # a conftest.py of the working directory is never loaded.
+async def test_a_conftest_in_the_working_directory_is_never_loaded(provider: FakeSandboxProvider) -> None:
+    # A conftest.py (and a pytest.ini) in the working directory that would turn every failure into
+    # a pass, and a wrong hello file: pytest never loads them (the tests are not under the working
+    # directory), so the wrong file fails.
     conftest = (
         "import pytest\n"
         "@pytest.hookimpl(hookwrapper=True)\n"
@@ -209,26 +209,28 @@ async def test_printing_a_passing_summary_from_a_test_is_tampering(provider: Fak
         "    outcome = yield\n"
         "    outcome.get_result().outcome = 'passed'\n"
     )
-    hack = f"cat > conftest.py <<'EOF'\n{conftest}EOF\ncp conftest.py pytest.ini 2>/dev/null; echo 'Hello' > hello.txt"
+    hack = f"cat > conftest.py <<'EOF'\n{conftest}EOF\ncp conftest.py pytest.ini; echo 'Hello' > hello.txt"
     run = await run_commands(provider, "hello-world", hack)
     succeeded(run, 0.0)
-    assert statuses(run)["test_outputs.py::test_hello_file_contents"] == "FAILED", run.details
+    assert run.details["verdict"] == "failed", run.details
+    assert statuses(run) == {
+        "test_outputs.py::test_hello_file_exists": "PASSED",
+        "test_outputs.py::test_hello_file_contents": "FAILED",
+    }
 
 
-async def test_code_under_test_that_patches_pytest_is_tampering(provider: FakeSandboxProvider) -> None:
-    # wordfreq.py is imported by nothing; a module the tests import from the working directory
-    # could patch pytest. subprocess is imported by the tests: a subprocess.py in the working
-    # directory (first on sys.path, as for `python -m pytest` there) is the code under test.
-    shadow = (
-        "cat > /app/json.py <<'EOF'\n"
-        "import _pytest.reports\n"
-        "_pytest.reports.TestReport.outcome = 'passed'\n"
-        "EOF\n"
-        "cp /app/json.py /app/csv.py"
-    )
-    run = await run_commands(provider, "csv-region-totals", shadow)
+async def test_modules_of_the_working_directory_do_not_shadow_the_tests_imports(
+    provider: FakeSandboxProvider,
+) -> None:
+    # csv.py and decimal.py in the working directory that would patch pytest's reports: the
+    # working directory is not on the tests' sys.path (as for test.sh's pytest command), so the
+    # tests import the standard library's, and with no totals.json they fail.
+    shadow = "import _pytest.reports\n_pytest.reports.TestReport.outcome = 'passed'\n"
+    hack = f"cat > /app/csv.py <<'EOF'\n{shadow}EOF\ncp /app/csv.py /app/decimal.py"
+    run = await run_commands(provider, "csv-region-totals", hack)
     succeeded(run, 0.0)
-    assert run.details["verdict"] in ("failed", "tampered", "no_verdict"), run.details
+    assert run.details["verdict"] == "failed", run.details
+    assert statuses(run)["test_outputs.py::test_input_is_untouched"] == "PASSED"  # the real csv module
 
 
 # --- the harness's unpacking ----------------------------------------------------------------------
