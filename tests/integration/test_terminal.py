@@ -1,20 +1,25 @@
 """The terminal family on the shipped Harbor tasks (sandbox_images/terminal/tasks) in real rootless
 Podman sandboxes, each task's image built offline from its translated Dockerfile (make images):
 its oracle solution scores 1 and a wrong one 0, the reward hacks a policy would try score 0, and
-one task is done by an unmodified agent program (the openai-SDK example agent) through the job's
-model gateway, driven by a scripted model."""
+unmodified agent programs do a task through the job's model gateway: the openai-SDK example agent
+driven by a scripted OpenAI-compatible model, and mini-swe-agent driven by a fake vLLM (token ids
+in and out, a byte-level tokenizer), whose calls come back as one exact token chain."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from prorl_client.harbor_import import import_folders
 
 from prorl_client import v1
 from tests.conftest import job_containers
 from tests.fakes.scripted_llm import ScriptedReply, api_tool_call, tool_call_text, turn_index
+from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
 from tests.unit.test_terminal_family import WRONG
 
 pytestmark = pytest.mark.podman
@@ -166,3 +171,55 @@ async def test_an_agent_program_through_the_gateway(scripted_llm, start_server, 
     events = [event async for event in client.rollout(program_request("csv-region-totals"))]
     result = events[-1].finished.result
     assert result.status == v1.JOB_STATUS_SUCCEEDED and result.reward == 0.0, result.details
+
+
+@pytest_asyncio.fixture
+async def fake_vllm(tmp_path: Path) -> AsyncIterator[tuple[FakeVLLM, Path]]:
+    folder = write_tiny_tokenizer(tmp_path / "tok")
+    server = FakeVLLM(folder, lambda prompt: "")
+    server.max_model_len = 65536  # a byte-level tokenizer: prompts are long in tokens
+    await server.start()
+    yield server, folder
+    await server.stop()
+
+
+def mini_swe_agent(vllm: FakeVLLM, command: str) -> Any:
+    """The model's side of mini-swe-agent: run `command`, then submit; the step is read from the
+    prompt (how many replies the model has given so far)."""
+
+    def bash_call(text: str) -> str:
+        return f"<tool_call>{json.dumps({'name': 'bash', 'arguments': {'command': text}})}</tool_call>"
+
+    steps = [bash_call(f"cd /app && {command}"), bash_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
+
+    def script(prompt: list[int]) -> str:
+        text = vllm.tokenizer.decode(prompt, skip_special_tokens=False)
+        return steps[min(text.count("<|im_start|>assistant") - 1, len(steps) - 1)]
+
+    return script
+
+
+async def test_mini_swe_agent_on_a_token_backend(fake_vllm: tuple[FakeVLLM, Path], start_server) -> None:
+    vllm, folder = fake_vllm
+    vllm.script = mini_swe_agent(vllm, solution("fix-word-count"))
+    backend = {"id": "vllm", "kind": "vllm", "base_url": f"{vllm.base_url}", "tokenizer_path": str(folder)}
+    _, client = await start_server(None, llm={"backends": [backend], "embedded": {"enabled": "never"}})
+    request = program_request("fix-word-count")
+    program = request.instance["program"]
+    program["argv"] = ["/opt/agents/bin/python", "/opt/agents/run_mini.py", "--workdir", "/app"]
+    program["argv"].extend(["--task-file", "$PRORL_TASK_FILE"])
+    del program["files"]
+    request.sampling.max_tokens = 16384  # one token a byte
+    events = [event async for event in client.rollout(request)]
+    result = events[-1].finished.result
+    assert result.status == v1.JOB_STATUS_SUCCEEDED, result.failure
+    assert result.reward == 1.0 and result.details["verdict"] == "passed", result.details
+    assert result.details["calls"] == 2 and result.details["exit_code"] == 0
+    # The calls are one exact chain: the last prompt followed by the last sample.
+    prompts = [call["prompt"] for call in vllm.requests]
+    (chain,) = result.trajectory.chains
+    samples = [list(chain.token_ids[span.start : span.end]) for span in chain.turn_spans]
+    assert len(prompts) == len(samples) == 2
+    assert prompts[1][: len(prompts[0]) + len(samples[0])] == prompts[0] + samples[0]
+    assert list(chain.token_ids) == prompts[-1] + samples[-1]
+    assert sum(chain.loss_mask) == sum(len(sample) for sample in samples)
