@@ -210,7 +210,11 @@ class SandboxSettings(_Section):
     """On a cgroup v1 host, enforce CPU/memory/pids with cgroups the server (as root) creates."""
     warm_pools: list[WarmPoolSettings] = []
     """Started, healthy sandboxes kept ready per image and resource spec."""
-    allowed_images: list[str] = ["localhost/prorl-python:latest", "localhost/prorl-swe-*:latest"]
+    allowed_images: list[str] = [
+        "localhost/prorl-python:latest",
+        "localhost/prorl-swe-*:latest",
+        "localhost/prorl-harbor-*:latest",
+    ]
     """Images a sandbox may be started from: shell-style patterns (`*`, `?`, `[...]`, case-sensitive)
     matched against the image reference as written in the request, the task instance (a SWE
     task's `image`) or these settings. Submit refuses any other image with PERMISSION_DENIED.

@@ -129,5 +129,22 @@ for task in "$ROOT"/sandbox_images/swe/tasks/*/; do
         rm -rf "$ctx"
     fi
 done
+# Harbor / Terminal-Bench tasks: each task's environment/Dockerfile, translated
+# by `prorl import-harbor` into a Containerfile built FROM a local image
+# (sandbox_images/terminal/tasks; docs/handlers.md, "Harbor / Terminal-Bench tasks").
+harbor() { PYTHONPATH="$ROOT/prorl_client/src:$ROOT" "$PYTHON" -m prorl_client.harbor_import "$@"; }
+for task in "$ROOT"/sandbox_images/terminal/tasks/*/; do
+    [[ -f "$task/task.toml" ]] || continue
+    ctx="$(mktemp -d /var/tmp/prorl-ctx.XXXXXX)"
+    tag="$(harbor context "$task" "$ctx")"
+    digest="$( (built localhost/prorl-python:latest; cd "$ctx" && find . -type f | sort | xargs sha256sum) | digest_of)"
+    if stale "$tag" "$digest"; then
+        echo "build-images: $tag"
+        chown -R "$SANDBOX_USER:$SANDBOX_USER" "$ctx"
+        as_user podman build --quiet --network none --pull-never --label "prorl.digest=$digest" \
+            -f "$ctx/Containerfile" -t "$tag" "$ctx" >/dev/null
+    fi
+    rm -rf "$ctx"
+done
 as_user podman image prune --force >/dev/null
 as_user podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep prorl

@@ -4,9 +4,9 @@ The instance names the program and how to judge what it produces:
 
     {"program": {"argv": [...], "env": {...}, "cwd": "/testbed", "files": {path: text},
                  "timeout_s": 600, "sampling": "job" | "program"},
-     "verifier": "math" | "stem" | "code" | "swe" | "rubric",
+     "verifier": "math" | "stem" | "code" | "swe" | "terminal" | "rubric",
      "task": {... an instance of that family ...},
-     "submission": "last_line" | "stdout" | "file" | "git_diff",
+     "submission": "last_line" | "stdout" | "file" | "git_diff" | "workdir",
      "submission_path": "/tmp/answer.txt"}
 
 The program runs in the job's sandbox (the task's image for SWE) with the
@@ -25,7 +25,8 @@ session (routing, pause/resume, policy versions, exact tokens as chains).
 
 When it ends (or runs out of its time), its submission is collected: the
 last non-empty line of its stdout, all of it, a file, or the repository's
-`git diff` against base_commit (SWE: what the SWE family always judges); the
+`git diff` against base_commit (SWE: what the SWE family always judges) or
+the working directory (terminal: archived, as the terminal family takes it); the
 family then evaluates it exactly as for its own agent, in a fresh sandbox.
 """
 
@@ -47,6 +48,7 @@ from prorl_server.agents.outcomes import StopReason
 from prorl_server.agents.rubric import RubricHandler
 from prorl_server.agents.stem import StemHandler
 from prorl_server.agents.swe import SWEHandler
+from prorl_server.agents.terminal import TerminalHandler
 from prorl_server.errors import InfrastructureError, InvalidArgument
 from prorl_server.verifiers.harness import LOG_TAIL_CHARS
 
@@ -55,8 +57,11 @@ FAMILIES: dict[str, ToolLoopHandler[Any, Any]] = {
     "stem": StemHandler(),
     "code": CodeHandler(),
     "swe": SWEHandler(),
+    "terminal": TerminalHandler(),
     "rubric": RubricHandler(),
 }
+# Families whose submission is the sandbox's state, taken as their own agent's is.
+STATE_SUBMISSIONS = {"swe": "git_diff", "terminal": "workdir"}
 MAX_SUBMISSION_BYTES = 1 << 20
 DEFAULT_PROGRAM_TIMEOUT_S = 1200.0
 """Below the default job budget (jobs.default_budget_s, 1800 s), which covers init and eval too."""
@@ -93,10 +98,10 @@ class Program(TaskInstance):
 
 class CommandTask(TaskInstance):
     program: Program
-    verifier: Literal["math", "stem", "code", "swe", "rubric"]
+    verifier: Literal["math", "stem", "code", "swe", "terminal", "rubric"]
     task: dict[str, Any]
     """An instance of the verifier's family, checked as that family checks it."""
-    submission: Literal["last_line", "stdout", "file", "git_diff"] = "last_line"
+    submission: Literal["last_line", "stdout", "file", "git_diff", "workdir"] = "last_line"
     submission_path: StrictStr | None = None
     _judged: TaskInstance = PrivateAttr()
 
@@ -110,6 +115,8 @@ class CommandTask(TaskInstance):
             raise ValueError("submission 'file' needs submission_path")
         if (self.submission == "git_diff") != (self.verifier == "swe"):
             raise ValueError("the swe verifier judges the repository's diff (submission 'git_diff'), and only it")
+        if (self.submission == "workdir") != (self.verifier == "terminal"):
+            raise ValueError("the terminal verifier judges the working directory (submission 'workdir'), and only it")
         return self
 
     @property
@@ -176,10 +183,11 @@ class CommandHandler(AgentHandler[CommandTask, ProgramOutcome]):
                 reason="program_not_runnable",
             )
         stop: StopReason = "program_timeout" if result.timed_out else "program_exit"
-        answer = await self._submission(ctx, f"{folder}/stdout") if instance.submission != "git_diff" else None
+        state = STATE_SUBMISSIONS.get(instance.verifier)
+        answer = await self._submission(ctx, f"{folder}/stdout") if state is None else None
         judged = RunOutcome(stop, answer=answer)
-        if instance.verifier == "swe":  # the repository's diff, as the SWE family takes it
-            judged = await FAMILIES["swe"].submission(ctx.for_instance(instance.judged), judged)
+        if state is not None:  # the repository's diff (SWE), the working directory (terminal)
+            judged = await FAMILIES[instance.verifier].submission(ctx.for_instance(instance.judged), judged)
         return ProgramOutcome(stop, judged.answer, exit_code=result.exit_code, log_tail=result.output, judged=judged)
 
     @staticmethod

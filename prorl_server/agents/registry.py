@@ -27,6 +27,7 @@ from prorl_server.agents.math import MathHandler
 from prorl_server.agents.rubric import RubricHandler
 from prorl_server.agents.stem import StemHandler
 from prorl_server.agents.swe import SWEHandler
+from prorl_server.agents.terminal import TerminalHandler
 from prorl_server.config import ConfigError
 from prorl_server.errors import InvalidArgument
 
@@ -91,7 +92,15 @@ def plugin_handlers(taken: Iterable[str] = ()) -> list[AnyHandler]:
 
 
 def shipped_handlers() -> list[AnyHandler]:
-    return [MathHandler(), StemHandler(), CodeHandler(), SWEHandler(), CommandHandler(), RubricHandler()]
+    return [
+        MathHandler(),
+        StemHandler(),
+        CodeHandler(),
+        SWEHandler(),
+        TerminalHandler(),
+        CommandHandler(),
+        RubricHandler(),
+    ]
 
 
 def default_registry(*, plugins: bool = True) -> HandlerRegistry:

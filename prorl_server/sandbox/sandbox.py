@@ -156,7 +156,7 @@ class Sandbox:
         return await self._runtime.health(HealthRequest())
 
     async def judge(self, mode: str, spec: Mapping[str, Any], *, timeout_s: float) -> JudgeResult:
-        """Run the trusted judging harness in `mode` ("function", "stdio", "swe") on
+        """Run the trusted judging harness in `mode` ("function", "stdio", "swe", "terminal") on
         `spec`; it is killed with everything it started after timeout_s. Its verdict
         comes back on a channel the judged code can neither reach nor forge."""
         self._check_open()

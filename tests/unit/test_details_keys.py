@@ -37,10 +37,11 @@ from prorl_server.verifiers.judge import JudgeOptions, ModelJudge
 from prorl_server.verifiers.judge_prompt import Criterion, Rubric
 from prorl_server.verifiers.stem import verify_stem
 from prorl_server.verifiers.swe import judge
+from prorl_server.verifiers.terminal import judge as terminal_judge
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "contract.md"
-FAMILIES = ("math", "stem", "code", "swe", "rubric")
+FAMILIES = ("math", "stem", "code", "swe", "terminal", "rubric")
 
 # Set by the handler modules (prorl_server/agents/<family>.py), not by the verifiers run here.
 HANDLER_KEYS = {
@@ -48,6 +49,7 @@ HANDLER_KEYS = {
     "stem": {"verdict", "stop_reason", "answer"},
     "code": {"verdict", "stop_reason"},
     "swe": {"verdict", "stop_reason", "instance_id", "patch"},
+    "terminal": {"verdict", "stop_reason", "task", "state_bytes"},
     "rubric": {"stop_reason", "answer"},
 }
 HANDLER_VERDICTS = {
@@ -55,6 +57,7 @@ HANDLER_VERDICTS = {
     "stem": {"correct", "wrong", "no answer submitted"},
     "code": {"no code submitted"},
     "swe": {"patch_too_large"},
+    "terminal": {"state_too_large"},
     "rubric": set(),
 }
 
@@ -188,6 +191,36 @@ async def swe_details() -> list[dict[str, Any]]:
     return found
 
 
+async def terminal_details() -> list[dict[str, Any]]:
+    passing = {"test_outputs.py::test_a": "PASSED", "test_outputs.py::test_b": "PASSED"}
+    printed = "".join(f"PASSED {test}\n" for test in passing)
+    ran = {"stage": "tests", "ok": True, "complete": True, "exitstatus": 0, "exit_code": 0, "collected": passing}
+    ran |= {"log": printed, "skipped": ["../x (outside the working directory)"]}
+    reports: list[dict[str, Any] | None] = [
+        ran,
+        {**ran, "collected": {**passing, "test_outputs.py::test_b": "FAILED"}, "exitstatus": 1, "log": ""},
+        {**ran, "collected": {}, "exitstatus": 5, "log": ""},
+        {**ran, "timed_out": True},
+        {**ran, "complete": False, "runner_exit": -9, "anomalies": ["no final frame"]},
+        {**ran, "log": printed + "PASSED test_outputs.py::test_c\n"},
+        {"stage": "state", "ok": False, "output": "ReadError: not a tar file"},
+        {**ran, "collected": "garbled"},
+        None,
+    ]
+    found = []
+    for report in reports:
+        verdict = await terminal_judge(
+            harness(report, problem="" if report else "the harness was killed"),
+            workdir="/app",
+            tests_dir="/tests",
+            tests={"test_outputs.py": "def test_a(): pass\n"},
+            run=["test_outputs.py"],
+            state_path="/tmp/state.tar",
+            timeout_s=10,
+        )
+        found.append(verdict.details())
+
+
 async def rubric_details() -> list[dict[str, Any]]:
     """The judge's details for each verdict: a reply in the format, one not, a refusal, a judge
     whose context is too small, an empty answer and one over the limit (neither sent)."""
@@ -271,6 +304,8 @@ async def test_verifier_details_match_the_contract(
         produced = stem_details()
     elif family == "code":
         produced = await code_details()
+    elif family == "terminal":
+        produced = await terminal_details()
     elif family == "rubric":
         produced = await rubric_details()
     else:

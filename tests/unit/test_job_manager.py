@@ -118,7 +118,7 @@ def _with(change: Callable[[v1.RolloutRequest], Any]) -> v1.RolloutRequest:
     [
         (
             _with(lambda r: setattr(r, "handler", "chess")),
-            "unknown handler 'chess'; this server has: code, command, math, rubric, stem, swe",
+            "unknown handler 'chess'; this server has: code, command, math, rubric, stem, swe, terminal",
         ),
         (_with(lambda r: setattr(r, "handler", "")), "handler is empty"),
         (_with(lambda r: r.instance.__delitem__("question")), "math instance field 'question': missing"),

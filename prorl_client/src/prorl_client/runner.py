@@ -30,8 +30,9 @@ The exit status says what happened (prorl_client.cli_common lists the codes).
 Two runs on one output file are refused (a lock on the file).
 
 The other commands: `prorl view` (prorl_client.viewer), `prorl import-swe`
-(prorl_client.swe_import), `prorl tail` (prorl_client.tail), `prorl jobs`,
-`prorl job`, `prorl cancel`, `prorl stats` (prorl_client.jobs_cli).
+(prorl_client.swe_import), `prorl import-harbor` (prorl_client.harbor_import),
+`prorl tail` (prorl_client.tail), `prorl jobs`, `prorl job`, `prorl cancel`,
+`prorl stats` (prorl_client.jobs_cli).
 """
 
 from __future__ import annotations
@@ -657,15 +658,22 @@ def main(argv: list[str] | None = None) -> int:
         "or its folder (needs tokenizers); token ids only without it",
     )
     swe_import.add_parser(commands)
-    from prorl_client import jobs_cli, tail  # here: tail writes its records with this module's result_record
+    from prorl_client import (
+        harbor_import,
+        jobs_cli,
+        tail,
+    )  # here: tail writes its records with this module's result_record
 
     tail.add_parser(commands)
+    harbor_import.add_parser(commands)
     jobs_cli.add_parsers(commands)
     args = parser.parse_args(argv)
     if args.command == "import-swe":
         return swe_import.command(args)
     if args.command == "tail":
         return tail.command(args)
+    if args.command == "import-harbor":
+        return harbor_import.command(args)
     if args.command == "view":
         from prorl_client.viewer import view_command
 

@@ -788,7 +788,7 @@ def _find_all(text, needle):
 # --- judging ------------------------------------------------------------------------
 
 JUDGE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prorl_judge.py")
-JUDGE_MODES = ("function", "stdio", "swe")
+JUDGE_MODES = ("function", "stdio", "swe", "terminal")
 MAX_VERDICT = 32 << 20
 PR_SET_DUMPABLE = 4
 
