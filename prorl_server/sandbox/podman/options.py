@@ -31,3 +31,8 @@ class PodmanOptions:
     """Containers held at once, from creation until removal is done; 0: no limit."""
     allow_exec_fallback: bool = False
     """Serve images without python3 by `podman exec`; False: refuse them."""
+    writable_paths: tuple[str, ...] = ("/tmp", "/var/tmp", "/home/agent", "/workspace", "/testbed")
+    """Where a runtime container may write (each a tmpfs filled from the image; the root file
+    system is read-only); /tmp and `workdir` always are."""
+    reset_timeout_s: float = 30.0
+    """The time a reset may take in the sandbox before it counts as failed."""

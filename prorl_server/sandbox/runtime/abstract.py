@@ -27,9 +27,12 @@ from prorl_server.sandbox.runtime.protocol import (
     PythonResponse,
     ReadFileRequest,
     ReadFileResponse,
+    ResetRequest,
+    ResetResponse,
     WriteFileRequest,
     WriteFileResponse,
 )
+from prorl_server.errors import SandboxError
 from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler
 
 RuntimeMode = Literal["runtime", "exec"]
@@ -69,6 +72,11 @@ class SandboxRuntime(abc.ABC):
 
     @abc.abstractmethod
     async def judge(self, request: JudgeRequest) -> JudgeResponse: ...
+
+    async def reset(self, request: ResetRequest) -> ResetResponse:
+        """Make the sandbox fit for another job (see ResetRequest). Runtimes that cannot
+        raise SandboxError(reason="reset_unsupported"): their sandboxes are never reused."""
+        raise SandboxError(f"a {self.mode} runtime cannot reset its sandbox", reason="reset_unsupported")
 
     @abc.abstractmethod
     async def open_gateway(self, handler: GatewayHandler, *, port: int = 0) -> GatewayHandle:

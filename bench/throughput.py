@@ -1,0 +1,283 @@
+"""Throughput: jobs per second through a live server, against Podman's own floor, in one run.
+
+Side by side on this machine, in this order:
+- the floor: bare container lifecycles (create + start + remove of `sleep`
+  containers of the same image) through the same Podman REST API, as many at
+  once as the server's init phase allows: lifecycles/s; a job needing k new
+  containers cannot beat floor / k without reuse;
+- a 2-turn math job with an instant model (a scripted OpenAI-chat server in
+  this process: turn 1 runs `print(a * b)` with the python tool, turn 2
+  finishes with what the sandbox printed; reward 1 proves the sandbox ran it),
+  with sandbox reuse off (a new container per job), then on;
+- the HumanEval set (164 canonical solutions that must score 1, mutated ones
+  that must score 0: every `return` gives None), each job run + judge (the
+  judge in a sandbox of its own), reuse off, then on;
+- for each run: jobs/s, the ratio to the floor, infrastructure failures, wrong
+  verdicts, and the cost per job (p50 of queue, sandbox acquire, run, judge
+  from the results' timing; reset from the server's allocator, off the
+  job's path).
+
+The server runs in this process (as do the client and the scripted model): the
+figures include their share of the 2 cores.
+
+Usage: python bench/throughput.py [--math N] [--floor N] [--mutants N]   (make bench-throughput)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import percentile
+from prorl_client import Client, v1
+from prorl_server.app import ProrlServer
+from prorl_server.config import load_settings
+from prorl_server.datasets.human_eval import load_problems, to_task
+from prorl_server.logging import configure_logging
+from prorl_server.sandbox.podman.service import PodmanService
+from tests.fakes.scripted_llm import ScriptedLLMServer, ScriptedReply, tool_call_text, turn_index, user_prompt
+
+IMAGE = "localhost/prorl-python:latest"
+STATE_DIR = os.environ.get("PRORL_TEST_STATE_DIR", "/var/lib/prorl")
+PHASES = {"init": 16, "run": 64, "eval": 16}
+TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.S)
+VARIANT = "    # variant: scored with a mutated solution\n"
+
+
+@dataclass
+class Run:
+    name: str
+    jobs: int
+    seconds: float
+    infrastructure: int = 0
+    wrong: int = 0
+    other_failures: int = 0
+    costs: dict[str, list[float]] = field(default_factory=dict)
+    resets: list[float] = field(default_factory=list)
+    reused: int = 0
+    retired: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.jobs / self.seconds
+
+
+# --- the floor -------------------------------------------------------------------------
+
+
+async def floor(url: str, count: int, concurrency: int) -> float:
+    """Lifecycles per second of bare containers, `concurrency` at once, podman-py in threads."""
+    from podman import PodmanClient
+
+    client = PodmanClient(base_url=url, timeout=120)
+    tag = f"floor-{uuid.uuid4().hex[:6]}"
+    gate = asyncio.Semaphore(concurrency)
+
+    def lifecycle(index: int) -> None:
+        container = client.containers.create(
+            IMAGE,
+            command=["sleep", "infinity"],
+            name=f"{tag}-{index}",
+            network_mode="none",
+            init=True,
+            labels={"prorl.bench": tag},
+        )
+        container.start()
+        container.remove(force=True)
+
+    async def one(index: int) -> None:
+        async with gate:
+            await asyncio.to_thread(lifecycle, index)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(index) for index in range(count)))
+    elapsed = time.perf_counter() - started
+    client.close()
+    return count / elapsed
+
+
+# --- jobs through a server ---------------------------------------------------------------
+
+
+def math_script(messages: list[dict[str, Any]]) -> ScriptedReply:
+    if turn_index(messages) == 0:
+        a, b = re.findall(r"\d+", user_prompt(messages))[:2]
+        return ScriptedReply(tool_call_text("python", {"code": f"print({a} * {b})"}))
+    found = TOOL_RESPONSE.search(str(messages[-1].get("content", "")))
+    return ScriptedReply(tool_call_text("finish", {"answer": found.group(1).strip() if found else ""}))
+
+
+def math_requests(prefix: str, count: int) -> tuple[list[v1.RolloutRequest], dict[str, float]]:
+    requests, expected = [], {}
+    for index in range(count):
+        a, b = 100 + index, 3 + index % 17
+        request = v1.RolloutRequest(job_id=f"{prefix}-{index:05d}", handler="math")
+        request.instance.update({"question": f"What is {a} * {b}?", "answer": str(a * b)})
+        request.limits.max_turns = 4
+        requests.append(request)
+        expected[request.job_id] = 1.0
+    return requests, expected
+
+
+def human_eval_requests(prefix: str, mutants: int) -> tuple[list[v1.RolloutRequest], dict[str, float]]:
+    requests, expected = [], {}
+    problems = load_problems()
+    for index, problem in enumerate(problems):
+        for variant in (False, True) if index < mutants else (False,):
+            instance = to_task(problem)["instance"]
+            if variant:
+                instance = {**instance, "prompt": instance["prompt"] + VARIANT}
+            request = v1.RolloutRequest(job_id=f"{prefix}-{'m' if variant else 'c'}{index:03d}", handler="code")
+            request.instance.update(instance)
+            requests.append(request)
+            expected[request.job_id] = 0.0 if variant else 1.0
+    return requests, expected
+
+
+def human_eval_script() -> Any:
+    answers = {problem["prompt"]: problem["canonical_solution"] for problem in load_problems()}
+
+    def script(messages: list[dict[str, Any]]) -> ScriptedReply:
+        prompt = user_prompt(messages)
+        for problem_prompt, solution in answers.items():
+            if problem_prompt in prompt:
+                answer = solution.replace("return ", "return None and ") if VARIANT in prompt else solution
+                return ScriptedReply(tool_call_text("finish", {"answer": answer}))
+        raise AssertionError("unknown problem")
+
+    return script
+
+
+def seconds(duration: Any) -> float:
+    return float(duration.seconds) + duration.nanos / 1e9
+
+
+async def run_jobs(
+    name: str, url: str, llm: ScriptedLLMServer, requests: list[v1.RolloutRequest], expected: dict[str, float], reuse: bool
+) -> Run:
+    settings = load_settings(
+        None,
+        environ={},
+        overrides={
+            "server": {"port": 0, "instance_id": f"bench-{uuid.uuid4().hex[:8]}", "log_level": "error"},
+            "sandbox": {
+                "podman_socket": url,
+                "tmp_mib": 64,
+                "state_dir": STATE_DIR,
+                "memory_mib": 256,
+                "pids_limit": 64,
+                "reuse": {"enabled": reuse, "max_idle_per_pool": 32},
+            },
+            "phases": PHASES,
+            "jobs": {"store": False},
+            "llm": {"backends": [{"id": "scripted", "base_url": llm.base_url}], "embedded": {"enabled": "never"}},
+        },
+    )
+    server = ProrlServer(settings)
+    await server.start()
+    client = Client.connect(server.address)
+    run = Run(name, len(requests), 0.0, costs={"queue": [], "acquire": [], "run": [], "judge": []})
+    try:
+        # A few jobs first, so both kinds of run start with the server and its Podman warm.
+        warm_requests = [v1.RolloutRequest(job_id=f"warm-{r.job_id}", handler=r.handler, instance=r.instance) for r in requests[:4]]
+        async for _ in client.rollout_many(warm_requests):
+            pass
+        started = time.perf_counter()
+        async for item in client.rollout_many(requests):
+            if not isinstance(item, v1.RolloutEvent):
+                run.other_failures += 1
+                continue
+            if not item.HasField("finished"):
+                continue
+            result = item.finished.result
+            if result.status != v1.JOB_STATUS_SUCCEEDED:
+                if result.failure.infrastructure:
+                    run.infrastructure += 1
+                else:
+                    run.other_failures += 1
+                continue
+            if result.reward != expected[item.job_id]:
+                run.wrong += 1
+            timing = result.timing
+            acquire = seconds(timing.sandbox_acquire)
+            run.costs["queue"].append(seconds(timing.queue))
+            run.costs["acquire"].append(acquire)
+            run.costs["run"].append(seconds(timing.run))
+            run.costs["judge"].append(seconds(timing.eval))
+        run.seconds = time.perf_counter() - started
+        allocator = server._sandboxes  # the bench looks inside: reset times are not on the wire
+        if allocator is not None:
+            run.resets = list(allocator.reset_times)
+            run.reused = sum(pool.reused for pool in allocator.stats())
+            run.retired = sum(pool.retired for pool in allocator.stats())
+    finally:
+        await client.close()
+        await server.stop()
+    return run
+
+
+def report(run: Run, floor_rate: float, containers_per_job: int) -> None:
+    p50 = {key: percentile(values, 50) * 1e3 if values else float("nan") for key, values in run.costs.items()}
+    resets = f"{percentile(run.resets, 50) * 1e3:.0f} ms" if run.resets else "-"
+    print(
+        f"{run.name:<28} {run.rate:7.2f} jobs/s  {run.rate / (floor_rate / containers_per_job):5.2f}x floor/{containers_per_job}"
+        f"  infra failures {run.infrastructure}  wrong verdicts {run.wrong}  other failures {run.other_failures}"
+    )
+    print(
+        f"{'':<28} p50 ms: queue {p50['queue']:.0f}  acquire {p50['acquire']:.1f}  run {p50['run']:.1f}"
+        f"  judge(eval) {p50['judge']:.1f}  reset {resets} (off the job's path)"
+        f"  reused {run.reused} retired {run.retired}"
+    )
+
+
+async def main(args: argparse.Namespace) -> int:
+    configure_logging("error")
+    service = PodmanService(user="prorl", name=f"throughput-{uuid.uuid4().hex[:6]}")
+    await service.start()
+    problems = 0
+    try:
+        floor_rate = await floor(service.url, args.floor, PHASES["init"])
+        print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start (shared)")
+        print(f"{'podman floor':<28} {floor_rate:7.2f} container lifecycles/s ({args.floor}, {PHASES['init']} at once)")
+        math_llm = ScriptedLLMServer(math_script)
+        await math_llm.start()
+        code_llm = ScriptedLLMServer(human_eval_script())
+        await code_llm.start()
+        try:
+            for reuse in (False, True):
+                label = "reuse" if reuse else "new container"
+                requests, expected = math_requests(f"math-{int(reuse)}", args.math)
+                run = await run_jobs(f"math 2-turn ({label})", service.url, math_llm, requests, expected, reuse)
+                report(run, floor_rate, 1)
+                problems += run.infrastructure + run.wrong + run.other_failures
+            for reuse in (False, True):
+                label = "reuse" if reuse else "new container"
+                requests, expected = human_eval_requests(f"he-{int(reuse)}", args.mutants)
+                run = await run_jobs(f"humaneval run+judge ({label})", service.url, code_llm, requests, expected, reuse)
+                report(run, floor_rate, 2)
+                problems += run.infrastructure + run.wrong + run.other_failures
+        finally:
+            await math_llm.stop()
+            await code_llm.stop()
+        print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    finally:
+        await service.stop()
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--math", type=int, default=400, help="math jobs per run")
+    parser.add_argument("--floor", type=int, default=100, help="bare container lifecycles")
+    parser.add_argument("--mutants", type=int, default=20, help="HumanEval problems also run with a mutated solution")
+    sys.exit(asyncio.run(main(parser.parse_args())))

@@ -1,0 +1,263 @@
+"""The server's own proof that a reset sandbox holds nothing of its previous job.
+
+The in-sandbox runtime does the reset (prorl_runtime.py `reset_runtime`) and says
+what it left; a job's agent ran as the same uid as that runtime, so its word is
+checked from the host wherever the host can see, against a snapshot taken when
+the container was new, before any job ran in it:
+
+- processes: every host process in the container's PID namespace (by its
+  /proc/<pid>/ns/pid inode, so `podman exec`'d ones too) must be the
+  container's init or the runtime, both the very processes found at start;
+- mounts: the container's mount table as its init sees it, unchanged;
+- files: every writable mount (the tmpfs paths, /dev, /dev/shm, /dev/mqueue,
+  Podman's /etc files), walked from the host through /proc/<init>/root
+  without following a link: each entry's type, mode, owner, size, link
+  count, device, link target, extended attributes and, for regular files,
+  SHA-256 of the content, equal to the new container's. Content is hashed
+  every time: a write through a shared mapping of a tmpfs file changes
+  neither its mtime nor its ctime, so no time stamp can stand in for it;
+- sockets: no TCP or UDP socket left in the container's network namespace;
+- SysV IPC: no message queue, semaphore set or shared memory segment in
+  its IPC namespace (read there with nsenter; the server must be root);
+- the socket folder on the host: only the runtime's socket.
+
+Anything not observable counts as not proven: the sandbox is retired.
+Every function here blocks (procfs, file reads): the provider runs them in
+its threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from prorl_server.sandbox.blame import HostView, ProcessRef, process_ref
+
+PROC = Path("/proc")
+# File systems whose content is not files a job could leave behind (or is checked otherwise).
+SKIPPED_FSTYPES = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "bpf", "debugfs", "securityfs"})
+MAX_DIFFERENCES = 20
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What is compared of one file system entry (never its inode or time stamps)."""
+
+    kind: str
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    nlink: int
+    rdev: int
+    link: str | None
+    xattrs: tuple[tuple[str, bytes], ...]
+    digest: str | None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    mounts: tuple[str, ...]
+    """The container's mount table as its init sees it (mount ids left out)."""
+    trees: dict[str, dict[str, Entry]]
+    """Writable mount point -> relative path -> entry."""
+
+
+def _xattrs(path: str) -> tuple[tuple[str, bytes], ...]:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return ()
+    values = []
+    for name in sorted(names):
+        try:
+            values.append((name, os.getxattr(path, name, follow_symlinks=False)))
+        except OSError:
+            values.append((name, b"?"))
+    return tuple(values)
+
+
+def _digest(path: str) -> str:
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(descriptor, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _entry(path: str, info: os.stat_result, *, content: bool) -> Entry:
+    mode = info.st_mode
+    kind = (
+        "dir" if stat.S_ISDIR(mode) else
+        "file" if stat.S_ISREG(mode) else
+        "link" if stat.S_ISLNK(mode) else
+        "other"
+    )  # fmt: skip
+    digest = None
+    if kind == "file" and content:
+        try:
+            digest = _digest(path)
+        except OSError as exc:
+            digest = f"unreadable: {exc.strerror}"
+    return Entry(
+        kind=kind,
+        mode=mode,
+        uid=info.st_uid,
+        gid=info.st_gid,
+        size=info.st_size if kind != "dir" else 0,
+        nlink=info.st_nlink if kind != "dir" else 0,
+        rdev=info.st_rdev,
+        link=os.readlink(path) if kind == "link" else None,
+        xattrs=_xattrs(path),
+        digest=digest,
+    )
+
+
+def walk_tree(top: str, *, content: bool = True) -> dict[str, Entry]:
+    """Every entry under `top` (itself as "."), on its own file system only (a mount
+    below it is its own tree), never following a link. `content=False` skips
+    hashing (mqueue files read as status lines that change)."""
+    entries: dict[str, Entry] = {}
+    device = os.lstat(top).st_dev
+    pending = [""]
+    while pending:
+        relative = pending.pop()
+        path = os.path.join(top, relative) if relative else top
+        info = os.lstat(path)
+        if info.st_dev != device:  # another mount: named, not entered
+            entries[relative or "."] = Entry("mountpoint", 0, 0, 0, 0, 0, 0, None, (), None)
+            continue
+        entries[relative or "."] = _entry(path, info, content=content)
+        if stat.S_ISDIR(info.st_mode):
+            pending += [os.path.join(relative, name) for name in os.listdir(path)]
+    return entries
+
+
+def _mount_table(pid: int) -> list[tuple[str, str, str, str]]:
+    """(mount point, options, fstype, the rest) of each mount in `pid`'s table."""
+    rows = []
+    for line in (PROC / str(pid) / "mountinfo").read_text().splitlines():
+        fields, _, tail = line.partition(" - ")
+        parts = fields.split()
+        fstype, _, rest = tail.partition(" ")
+        # mount id, parent id, major:minor, root, mount point, options, optional fields
+        rows.append((parts[4], parts[5], fstype, f"{parts[2]} {parts[3]} {rest}"))
+    return rows
+
+
+def writable_mounts(pid: int, *, skip: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """(mount point, fstype) of the mounts a process of the container could write to."""
+    found = []
+    for point, options, fstype, _ in _mount_table(pid):
+        if "rw" in options.split(",") and fstype not in SKIPPED_FSTYPES and point not in skip:
+            if not any(point == other or point.startswith(other.rstrip("/") + "/") for other in skip):
+                found.append((point, fstype))
+    return found
+
+
+def snapshot(init_pid: int, *, skip: frozenset[str]) -> Snapshot:
+    """The container's mounts and writable trees, seen from the host. Blocking."""
+    root = str(PROC / str(init_pid) / "root")
+    trees = {}
+    for point, fstype in writable_mounts(init_pid, skip=skip):
+        trees[point] = walk_tree(root + point, content=fstype != "mqueue")
+    mounts = tuple(" ".join(row) for row in _mount_table(init_pid))
+    return Snapshot(mounts=mounts, trees=trees)
+
+
+def differences(pristine: Snapshot, now: Snapshot) -> list[str]:
+    """What differs from the new container, at most MAX_DIFFERENCES lines; [] when nothing."""
+    found: list[str] = []
+    if pristine.mounts != now.mounts:
+        found.append("the mount table changed")
+    for point in sorted(set(pristine.trees) | set(now.trees)):
+        before, after = pristine.trees.get(point), now.trees.get(point)
+        if before is None or after is None:
+            found.append(f"{point}: writable mount {'added' if before is None else 'gone'}")
+            continue
+        for relative in sorted(set(before) | set(after)):
+            if before.get(relative) != after.get(relative):
+                change = "added" if relative not in before else "gone" if relative not in after else "changed"
+                found.append(f"{os.path.join(point, relative)}: {change}")
+                if len(found) >= MAX_DIFFERENCES:
+                    return found
+    return found
+
+
+def container_pids(init_pid: int) -> list[int]:
+    """Host pids of every process in the PID namespace of `init_pid`. Blocking."""
+    try:
+        namespace = os.stat(PROC / str(init_pid) / "ns" / "pid").st_ino
+    except OSError:
+        return []
+    pids = []
+    for entry in os.listdir(PROC):
+        if entry.isdigit():
+            try:
+                if os.stat(PROC / entry / "ns" / "pid").st_ino == namespace:
+                    pids.append(int(entry))
+            except OSError:
+                continue  # gone meanwhile, or not ours to see
+    return sorted(pids)
+
+
+def stray_processes(view: HostView) -> list[str]:
+    """Processes of the container other than its init and runtime ("pid command")."""
+    expected: set[ProcessRef] = {view.init, view.runtime}
+    strays = []
+    for pid in container_pids(view.init.pid):
+        ref = process_ref(pid)
+        if ref is not None and ref not in expected:
+            try:
+                command = (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                command = "?"
+            strays.append(f"{pid} {command.strip()[:200]}")
+    return strays
+
+
+def inet_sockets(pid: int) -> list[str]:
+    """TCP, UDP and raw sockets some process holds in the network namespace of `pid` (its
+    loopback), as table lines."""
+    lines = []
+    for table in ("tcp", "tcp6", "udp", "udp6", "raw", "raw6"):
+        try:
+            rows = (PROC / str(pid) / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        # A socket no process holds any more (TIME_WAIT) has inode 0 and carries nothing.
+        lines += [f"{table}: {row.strip()}" for row in rows if len(row.split()) > 9 and row.split()[9] != "0"]
+    return lines
+
+
+def socket_dir_extras(folder: Path, socket_name: str) -> list[str]:
+    """Entries of the sandbox's socket folder (on the host) other than the runtime's socket."""
+    try:
+        names = os.listdir(folder)
+    except OSError as exc:
+        return [f"socket folder unreadable: {exc.strerror}"]
+    extras = [name for name in names if name != socket_name]
+    if socket_name in names and not stat.S_ISSOCK(os.lstat(folder / socket_name).st_mode):
+        extras.append(f"{socket_name} is no socket")
+    return extras
+
+
+async def sysv_ipc(init_pid: int) -> list[str] | None:
+    """The SysV IPC objects in the container's IPC namespace ("msg: <line>"), read there with
+    nsenter; None when they cannot be seen (not root, no nsenter)."""
+    tables = [f"/proc/sysvipc/{kind}" for kind in ("msg", "sem", "shm")]
+    try:
+        process = await asyncio.create_subprocess_exec(
+            "nsenter", "--target", str(init_pid), "--ipc", "--", "cat", *tables,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+    except OSError:
+        return None
+    output, _ = await process.communicate()
+    if process.returncode != 0:
+        return None
+    # Each table starts with its header line ("       key      msqid perms ..."): skip those.
+    lines = output.decode(errors="replace").splitlines()
+    return [line.strip() for line in lines if line.split() and line.split()[0] != "key"]
