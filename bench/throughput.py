@@ -106,6 +106,57 @@ async def floor(url: str, count: int, concurrency: int) -> float:
     return count / elapsed
 
 
+# --- one reset against one new container ----------------------------------------------
+
+DIRTY = (
+    "echo x > /workspace/f; mkdir -p ~/.cache/x && echo y > ~/.cache/x/y; (sleep 1000 &); "
+    "if [ -d /testbed ]; then for f in $(ls /testbed | head -3); do [ -f /testbed/$f ] && echo changed >> /testbed/$f; done; "
+    "echo new > /testbed/new_file; fi; true"
+)
+
+
+async def reset_against_new(url: str, image: str, rounds: int) -> tuple[list[float], list[float], list[float], int]:
+    """(reset with its proof, new container + remove, `git reset --hard; git clean -fdx` where /testbed
+    is a repository) in seconds, and the bytes under /testbed."""
+    from prorl_server.sandbox.base import SandboxSpec
+    from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
+
+    instance = f"bench-{uuid.uuid4().hex[:8]}"
+    options = PodmanOptions(
+        instance_id=instance, state_dir=Path(STATE_DIR), sandbox_user="prorl", container_user="1000:1000",
+        workdir="/workspace", tmp_mib=64, max_output_bytes=64 * 1024, threads=8,
+        runtime_start_timeout_s=120, cgroup_limits=True,
+    )  # fmt: skip
+    provider = PodmanProvider(url_factory=lambda: url, options=options)
+    await provider.start()
+    spec = SandboxSpec(image=image, cpus=1.0, memory_mib=1024, pids_limit=64)
+    resets, news, gits = [], [], []
+    try:
+        sandbox = await provider.create(spec)
+        size = await sandbox.bash("du -sb /testbed 2>/dev/null | cut -f1", timeout_s=60)
+        repo_bytes = int(size.output.strip() or 0)
+        is_repo = (await sandbox.bash("git -C /testbed rev-parse HEAD >/dev/null 2>&1; echo $?", timeout_s=60)).output
+        for _ in range(rounds):
+            await sandbox.bash(DIRTY, timeout_s=60)
+            if is_repo.strip() == "0":
+                started = time.perf_counter()
+                await sandbox.bash("git -C /testbed reset -q --hard && git -C /testbed clean -qfdx", timeout_s=120)
+                gits.append(time.perf_counter() - started)
+                await sandbox.bash(DIRTY, timeout_s=60)
+            started = time.perf_counter()
+            problems = await sandbox.container.reset(sandbox.runtime)
+            resets.append(time.perf_counter() - started)
+            assert problems == [], problems
+            started = time.perf_counter()
+            fresh = await provider.create(spec)
+            await fresh.close()
+            news.append(time.perf_counter() - started)
+        await sandbox.close()
+    finally:
+        await provider.close()
+    return resets, news, gits, repo_bytes
+
+
 # --- jobs through a server ---------------------------------------------------------------
 
 
@@ -249,6 +300,14 @@ async def main(args: argparse.Namespace) -> int:
         floor_rate = await floor(service.url, args.floor, PHASES["init"])
         print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start (shared)")
         print(f"{'podman floor':<28} {floor_rate:7.2f} container lifecycles/s ({args.floor}, {PHASES['init']} at once)")
+        for image in [IMAGE, *args.swe_image]:
+            resets, news, gits, repo_bytes = await reset_against_new(service.url, image, args.resets)
+            git = f", git reset+clean p50 {percentile(gits, 50) * 1e3:.0f} ms" if gits else ""
+            print(
+                f"{image}: reset + proof p50 {percentile(resets, 50) * 1e3:.0f} ms, new container p50"
+                f" {percentile(news, 50) * 1e3:.0f} ms ({percentile(news, 50) / percentile(resets, 50):.1f}x)"
+                f"{git}; /testbed {repo_bytes / 1e6:.1f} MB"
+            )
         math_llm = ScriptedLLMServer(math_script)
         await math_llm.start()
         code_llm = ScriptedLLMServer(human_eval_script())
@@ -280,4 +339,6 @@ if __name__ == "__main__":
     parser.add_argument("--math", type=int, default=400, help="math jobs per run")
     parser.add_argument("--floor", type=int, default=100, help="bare container lifecycles")
     parser.add_argument("--mutants", type=int, default=20, help="HumanEval problems also run with a mutated solution")
+    parser.add_argument("--resets", type=int, default=10, help="resets and new containers compared per image")
+    parser.add_argument("--swe-image", action="append", default=[], help="a SWE image to measure a reset of /testbed in")
     sys.exit(asyncio.run(main(parser.parse_args())))

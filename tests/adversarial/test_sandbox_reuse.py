@@ -358,7 +358,7 @@ async def test_reuse_hands_the_reset_container_to_the_next_job(provider: PodmanP
         await first.close()
         second = await allocator.acquire(small_spec())  # waits for the reset under way
         assert second.id == container and second.jobs_served == 1
-        listing = await second.bash("ls -A /workspace; grep -l sleep /proc/[0-9]*/cmdline | wc -l", timeout_s=30)
+        listing = await second.bash("ls -1A /workspace; grep -l "slee[p] 1000" /proc/[0-9]*/cmdline | wc -l", timeout_s=30)
         assert listing.output.split() == ["0"]
         await second.close()
         await assert_eventually(lambda: allocator.stats()[0].warm == 1)

@@ -17,6 +17,7 @@ from podman import PodmanClient
 from prorl_client import Client, RpcError, v1
 from prorl_server.errors import ProrlError
 from prorl_server.sandbox.podman import LABEL_JOB, RUNTIME_MOUNT, SOCKET_MOUNT, PodmanProvider
+from prorl_server.sandbox.podman.container_spec import IMAGE_MOUNT, writable_paths
 from tests.conftest import instance_id, job_containers, podman_options, small_spec
 from tests.fakes.scripted_llm import ScriptedReply, tool_call_text
 from tests.helpers import ServeProcess, math_request
@@ -124,7 +125,10 @@ async def test_sandboxes_mount_nothing_of_the_host_but_the_runtime(provider: Pod
         assert not binds[RUNTIME_MOUNT]["RW"]
         state_dir = str(podman_options("x").state_dir)
         assert all(m["Source"].startswith(state_dir) for m in binds.values())
-        assert {m["Destination"] for m in mounts} <= {RUNTIME_MOUNT, SOCKET_MOUNT, "/tmp"}
+        # Besides: the writable paths (tmpfs, filled from the image) and the image itself, read-only.
+        others = {m["Destination"]: m for m in mounts if m["Destination"] not in binds}
+        assert set(others) <= {*writable_paths(podman_options("x")), IMAGE_MOUNT}, others
+        assert all(m["Type"] == "tmpfs" for path, m in others.items() if path != IMAGE_MOUNT), others
     finally:
         await sandbox.close()
 
