@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import subprocess
 from typing import Any
 
 import pytest
 
-from prorl_server.errors import SandboxError
+from prorl_server.errors import ProrlError, SandboxError
 from prorl_server.sandbox.allocator import ReusePolicy, SandboxAllocator
 from prorl_server.sandbox.base import Sandbox
 from prorl_server.sandbox.podman import PodmanProvider
+from prorl_server.sandbox.podman import reset_check
 from prorl_server.sandbox.podman.container import PodmanContainer
+from prorl_server.sandbox.podman.container_spec import NOT_RESET
 from tests.conftest import SANDBOX_USER, small_spec
 from tests.helpers import assert_eventually
 
@@ -55,6 +58,8 @@ for top in WRITABLE:
         dirs.sort()
         for name in [".", *sorted(dirs), *sorted(names)]:
             path = os.path.normpath(os.path.join(root, name))
+            if path == os.path.abspath(__file__):
+                continue  # this probe's own file
             info = os.lstat(path)
             try:
                 content = hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.isfile(path) and not top.startswith("/dev/mqueue") else ""
@@ -93,7 +98,7 @@ print(json.dumps({
 def python_file(source: str) -> str:
     """A shell command that runs `source` with python3 (from a file, so no quoting matters)."""
     encoded = base64.b64encode(source.encode()).decode()
-    return f"f=$(mktemp -p /dev/shm) && echo {encoded} | base64 -d > $f && python3 $f; s=$?; rm -f $f; exit $s"
+    return f"f=$(mktemp -p /dev/shm) && echo {encoded} | base64 -d > $f && python3 $f; s=$?; rm -f $f; (exit $s)"
 
 
 async def probe(sandbox: Sandbox) -> dict[str, Any]:
@@ -269,8 +274,8 @@ ATTEMPTS = {
     "kernel keyring entries": python_file(KEYRING),
     "held locks": python_file(HELD_LOCK),
     "files in the runtime's socket folder": "echo x > /run/prorl/leftover; mkdir /run/prorl/d; true",
-    "the runtime's scratch files": "for d in /tmp/prorl-*; do echo 'echo hijacked' > $d/cmd.sh; chmod 000 $d; done; true",
     "filling the writable paths": "head -c 20M /dev/zero > /tmp/big; head -c 20M /dev/zero > /workspace/big; true",
+    "the runtime's scratch files": "for d in /tmp/prorl-*; do echo 'echo hijacked' > $d/cmd.sh; chmod 000 $d; done; true",
 }
 
 
@@ -311,12 +316,38 @@ async def test_every_attempt_at_once_then_many_jobs(provider: PodmanProvider) ->
     try:
         before = await probe(sandbox)
         for _ in range(5):
-            for command in ATTEMPTS.values():
+            for command in ATTEMPTS.values():  # the last takes the shell's scratch files away: no call after it works
                 if command is not None:
-                    await sandbox.bash(command, timeout_s=60)
-            await sandbox.python("secret = 1", timeout_s=30)
+                    with contextlib.suppress(ProrlError):
+                        await sandbox.bash(command, timeout_s=60)
+            with contextlib.suppress(ProrlError):
+                await sandbox.python("secret = 1", timeout_s=30)
             assert await sandbox.container.reset(sandbox.runtime) == []
             assert differences(before, await probe(sandbox)) == []
+    finally:
+        await sandbox.close()
+
+
+async def test_the_hosts_checks_see_what_a_job_leaves(provider: PodmanProvider) -> None:
+    """The proof's checks are not blind: before any reset, each finds what job N left."""
+    sandbox = await provider.create(small_spec())
+    try:
+        assert isinstance(sandbox.container, PodmanContainer)
+        view, pristine = sandbox.container.view, sandbox.container.pristine
+        assert view is not None and pristine is not None
+        assert await provider.call(lambda: reset_check.stray_processes(view)) == []
+        assert await reset_check.sysv_ipc(view.init.pid) == []
+        await sandbox.bash(python_file(SYSV_IPC) + "; " + python_file(SOCKET_HOLDER), timeout_s=60)
+        await sandbox.bash("echo x > /workspace/left; setsid sleep 1000 & chmod 0700 ~", timeout_s=30)
+        await assert_eventually(lambda: provider.call(lambda: bool(reset_check.inet_sockets(view.runtime.pid))))
+        strays = await provider.call(lambda: reset_check.stray_processes(view))
+        assert any("sleep 1000" in line for line in strays), strays
+        ipc = await reset_check.sysv_ipc(view.init.pid)
+        assert ipc is not None and {line.split(":")[0] for line in ipc} == {"msg", "sem", "shm"}, ipc
+        now = await provider.call(lambda: reset_check.snapshot(view.init.pid, skip=NOT_RESET))
+        found = reset_check.differences(pristine, now)
+        assert "/workspace/left: added" in found and "/home/agent/.: changed" in found, found
+        assert await sandbox.container.reset(sandbox.runtime) == []
     finally:
         await sandbox.close()
 
@@ -324,7 +355,7 @@ async def test_every_attempt_at_once_then_many_jobs(provider: PodmanProvider) ->
 def _exec_as_root(name: str, command: str) -> None:
     """What no job can do: a root process in the container, from outside (podman exec)."""
     subprocess.run(
-        ["runuser", "-u", SANDBOX_USER, "--", "podman", "exec", "--user", "0", name, "sh", "-c", command],
+        ["runuser", "-u", SANDBOX_USER, "--", "podman", "exec", "--privileged", "--user", "0", name, "sh", "-c", command],
         check=True,
         capture_output=True,
         cwd="/",
@@ -358,7 +389,7 @@ async def test_reuse_hands_the_reset_container_to_the_next_job(provider: PodmanP
         await first.close()
         second = await allocator.acquire(small_spec())  # waits for the reset under way
         assert second.id == container and second.jobs_served == 1
-        listing = await second.bash("ls -1A /workspace; grep -l "slee[p] 1000" /proc/[0-9]*/cmdline | wc -l", timeout_s=30)
+        listing = await second.bash("ls -1A /workspace; grep -l 'slee[p] 1000' /proc/[0-9]*/cmdline | wc -l", timeout_s=30)
         assert listing.output.split() == ["0"]
         await second.close()
         await assert_eventually(lambda: allocator.stats()[0].warm == 1)
@@ -375,13 +406,17 @@ async def test_a_sandbox_that_cannot_be_proven_clean_is_retired(provider: Podman
         first = await allocator.acquire(small_spec())
         await asyncio.to_thread(_exec_as_root, first.id, "mkdir /workspace/root-owned && touch /workspace/root-owned/f")
         second = await allocator.acquire(small_spec())
-        with pytest.raises(SandboxError):  # the job kills the runtime: its own call never returns
+        with pytest.raises(ProrlError):  # the job kills the runtime: its own call never returns (POLICY)
             await second.bash("kill -9 $(cat /proc/1/task/1/children)", timeout_s=5)
         retired = {first.id, second.id}
         await first.close()
         await second.close()
         await assert_eventually(lambda: allocator.stats()[0].retired == 2)
-        assert not retired & {container.name for container in await _live(provider)}
+
+        async def removed() -> bool:
+            return not retired & {container.name for container in await _live(provider)}
+
+        await assert_eventually(removed, message="a retired container was not removed")
         third = await allocator.acquire(small_spec())
         assert third.id not in retired and third.jobs_served == 0
         await third.close()

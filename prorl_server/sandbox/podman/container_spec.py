@@ -114,7 +114,7 @@ def writable_mounts(spec: SandboxSpec, options: PodmanOptions) -> list[dict[str,
         if path in WORLD_WRITABLE:
             owner = ["mode=1777", f"size={options.tmp_mib}m"]
         else:
-            owner = ["mode=0755", f"uid={uid}", f"gid={gid or uid}", f"size={spec.memory_mib}m"]
+            owner = ["mode=0755", "U", f"size={spec.memory_mib}m"]
         mounts.append(
             {"type": "tmpfs", "source": "tmpfs", "destination": path, "options": ["rw", "exec", "nosuid", "nodev", *owner]}
         )

@@ -278,6 +278,7 @@ class PodmanProvider(SandboxProvider):
                 return found
             found += [f"socket left: {line}" for line in reset_check.inet_sockets(view.runtime.pid)]
             found += reset_check.differences(pristine, reset_check.snapshot(view.init.pid, skip=NOT_RESET))
+            reset_check.clear_socket_dir(self._staging.socket_dir(handle.name), SOCKET_NAME)
             extras = reset_check.socket_dir_extras(self._staging.socket_dir(handle.name), SOCKET_NAME)
             return found + [f"socket folder: {item}" for item in extras]
 

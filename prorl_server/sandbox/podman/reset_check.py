@@ -5,8 +5,8 @@ what it left; a job's agent ran as the same uid as that runtime, so its word is
 checked from the host wherever the host can see, against a snapshot taken when
 the container was new, before any job ran in it:
 
-- processes: every host process in the container's PID namespace (by its
-  /proc/<pid>/ns/pid inode, so `podman exec`'d ones too) must be the
+- processes: every process in the container's PID namespace (listed by the
+  container's own procfs, so `podman exec`'d ones too) must be the
   container's init or the runtime, both the very processes found at start;
 - mounts: the container's mount table as its init sees it, unchanged;
 - files: every writable mount (the tmpfs paths, /dev, /dev/shm, /dev/mqueue,
@@ -18,8 +18,10 @@ the container was new, before any job ran in it:
   neither its mtime nor its ctime, so no time stamp can stand in for it;
 - sockets: no TCP or UDP socket left in the container's network namespace;
 - SysV IPC: no message queue, semaphore set or shared memory segment in
-  its IPC namespace (read there with nsenter; the server must be root);
-- the socket folder on the host: only the runtime's socket.
+  its IPC namespace (read there by a thread that enters it with setns; the
+  server must be root);
+- the socket folder on the host: only the runtime's socket (the server
+  removes anything else the job put there first).
 
 Anything not observable counts as not proven: the sandbox is retired.
 Every function here blocks (procfs, file reads): the provider runs them in
@@ -29,9 +31,13 @@ its threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import hashlib
 import os
+import shutil
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,36 +192,38 @@ def differences(pristine: Snapshot, now: Snapshot) -> list[str]:
     return found
 
 
-def container_pids(init_pid: int) -> list[int]:
-    """Host pids of every process in the PID namespace of `init_pid`. Blocking."""
-    try:
-        namespace = os.stat(PROC / str(init_pid) / "ns" / "pid").st_ino
-    except OSError:
-        return []
-    pids = []
-    for entry in os.listdir(PROC):
-        if entry.isdigit():
-            try:
-                if os.stat(PROC / entry / "ns" / "pid").st_ino == namespace:
-                    pids.append(int(entry))
-            except OSError:
-                continue  # gone meanwhile, or not ours to see
-    return sorted(pids)
-
-
 def stray_processes(view: HostView) -> list[str]:
-    """Processes of the container other than its init and runtime ("pid command")."""
-    expected: set[ProcessRef] = {view.init, view.runtime}
+    """Processes of the container other than its init and runtime ("pid command"), from the
+    container's own procfs (one per PID namespace: it lists exactly that namespace's
+    processes, `podman exec`'d ones included), each told apart by its start time. Blocking."""
+    expected = {view.init.start_time, view.runtime.start_time}
+    if process_ref(view.init.pid) != view.init:
+        return ["the container's init is gone"]
+    procfs = PROC / str(view.init.pid) / "root" / "proc"
     strays = []
-    for pid in container_pids(view.init.pid):
-        ref = process_ref(pid)
-        if ref is not None and ref not in expected:
-            try:
-                command = (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                command = "?"
-            strays.append(f"{pid} {command.strip()[:200]}")
+    for entry in os.listdir(procfs):
+        if not entry.isdigit():
+            continue
+        try:
+            start_time = int((procfs / entry / "stat").read_text().rsplit(")", 1)[1].split()[19])
+            command = (procfs / entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if start_time in expected and entry in ("1", str(_namespace_pid(view.runtime))):
+            continue
+        strays.append(f"{entry} {command.strip()[:200]}")
     return strays
+
+
+def _namespace_pid(ref: ProcessRef) -> int | None:
+    """The pid a host process has in its own (innermost) PID namespace."""
+    try:
+        for line in (PROC / str(ref.pid) / "status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def inet_sockets(pid: int) -> list[str]:
@@ -232,6 +240,24 @@ def inet_sockets(pid: int) -> list[str]:
     return lines
 
 
+def clear_socket_dir(folder: Path, socket_name: str) -> None:
+    """Remove what the job put in the sandbox's socket folder (on the host), all but the
+    runtime's socket; never following a link. Call it with no process left in the sandbox."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        path = folder / name
+        if name == socket_name and stat.S_ISSOCK(os.lstat(path).st_mode):
+            continue
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
 def socket_dir_extras(folder: Path, socket_name: str) -> list[str]:
     """Entries of the sandbox's socket folder (on the host) other than the runtime's socket."""
     try:
@@ -244,20 +270,43 @@ def socket_dir_extras(folder: Path, socket_name: str) -> list[str]:
     return extras
 
 
-async def sysv_ipc(init_pid: int) -> list[str] | None:
-    """The SysV IPC objects in the container's IPC namespace ("msg: <line>"), read there with
-    nsenter; None when they cannot be seen (not root, no nsenter)."""
-    tables = [f"/proc/sysvipc/{kind}" for kind in ("msg", "sem", "shm")]
+CLONE_NEWIPC = 0x08000000
+_IPC_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ipc-namespace")
+"""One thread enters sandboxes' IPC namespaces (setns changes only the calling thread's)."""
+
+
+def _read_sysv_in(init_pid: int) -> list[str] | None:
+    """Enter the IPC namespace of `init_pid` in this thread, read its SysV tables, come back."""
+    libc = ctypes.CDLL(None, use_errno=True)
     try:
-        process = await asyncio.create_subprocess_exec(
-            "nsenter", "--target", str(init_pid), "--ipc", "--", "cat", *tables,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+        own = os.open("/proc/thread-self/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    output, _ = await process.communicate()
-    if process.returncode != 0:
-        return None
-    # Each table starts with its header line ("       key      msqid perms ..."): skip those.
-    lines = output.decode(errors="replace").splitlines()
-    return [line.strip() for line in lines if line.split() and line.split()[0] != "key"]
+    try:
+        try:
+            target = os.open(PROC / str(init_pid) / "ns" / "ipc", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if libc.setns(target, CLONE_NEWIPC) != 0:
+                return None
+        finally:
+            os.close(target)
+        try:
+            lines = []
+            for kind in ("msg", "sem", "shm"):
+                rows = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]
+                lines += [f"{kind}: {row.strip()}" for row in rows if row.strip()]
+            return lines
+        finally:
+            if libc.setns(own, CLONE_NEWIPC) != 0:  # never leave the thread in a sandbox's namespace
+                raise OSError(ctypes.get_errno(), "cannot return to the server's IPC namespace")
+    finally:
+        os.close(own)
+
+
+async def sysv_ipc(init_pid: int) -> list[str] | None:
+    """The SysV IPC objects in the container's IPC namespace ("msg: <line>"), read there
+    (setns in a thread of its own); None when they cannot be seen (the server is not root)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_IPC_THREAD, _read_sysv_in, init_pid)
