@@ -110,7 +110,8 @@ async def floor(url: str, count: int, concurrency: int) -> float:
 
 DIRTY = (
     "echo x > /workspace/f; mkdir -p ~/.cache/x && echo y > ~/.cache/x/y; (sleep 1000 &); "
-    "if [ -d /testbed ]; then for f in $(ls /testbed | head -3); do [ -f /testbed/$f ] && echo changed >> /testbed/$f; done; "
+    "if [ -d /testbed ]; then for f in $(ls /testbed | head -3); do "
+    "[ -f /testbed/$f ] && echo changed >> /testbed/$f; done; "
     "echo new > /testbed/new_file; fi; true"
 )
 
@@ -214,7 +215,12 @@ def seconds(duration: Any) -> float:
 
 
 async def run_jobs(
-    name: str, url: str, llm: ScriptedLLMServer, requests: list[v1.RolloutRequest], expected: dict[str, float], reuse: bool
+    name: str,
+    url: str,
+    llm: ScriptedLLMServer,
+    requests: list[v1.RolloutRequest],
+    expected: dict[str, float],
+    reuse: bool,
 ) -> Run:
     settings = load_settings(
         None,
@@ -240,7 +246,9 @@ async def run_jobs(
     run = Run(name, len(requests), 0.0, costs={"queue": [], "acquire": [], "run": [], "judge": []})
     try:
         # A few jobs first, so both kinds of run start with the server and its Podman warm.
-        warm_requests = [v1.RolloutRequest(job_id=f"warm-{r.job_id}", handler=r.handler, instance=r.instance) for r in requests[:4]]
+        warm_requests = [
+            v1.RolloutRequest(job_id=f"warm-{r.job_id}", handler=r.handler, instance=r.instance) for r in requests[:4]
+        ]
         async for _ in client.rollout_many(warm_requests):
             pass
         started = time.perf_counter()
@@ -280,8 +288,9 @@ async def run_jobs(
 def report(run: Run, floor_rate: float, containers_per_job: int) -> None:
     p50 = {key: percentile(values, 50) * 1e3 if values else float("nan") for key, values in run.costs.items()}
     resets = f"{percentile(run.resets, 50) * 1e3:.0f} ms" if run.resets else "-"
+    ratio = run.rate / (floor_rate / containers_per_job)
     print(
-        f"{run.name:<28} {run.rate:7.2f} jobs/s  {run.rate / (floor_rate / containers_per_job):5.2f}x floor/{containers_per_job}"
+        f"{run.name:<28} {run.rate:7.2f} jobs/s  {ratio:5.2f}x floor/{containers_per_job}"
         f"  infra failures {run.infrastructure}  wrong verdicts {run.wrong}  other failures {run.other_failures}"
     )
     print(
@@ -340,5 +349,7 @@ if __name__ == "__main__":
     parser.add_argument("--floor", type=int, default=100, help="bare container lifecycles")
     parser.add_argument("--mutants", type=int, default=20, help="HumanEval problems also run with a mutated solution")
     parser.add_argument("--resets", type=int, default=10, help="resets and new containers compared per image")
-    parser.add_argument("--swe-image", action="append", default=[], help="a SWE image to measure a reset of /testbed in")
+    parser.add_argument(
+        "--swe-image", action="append", default=[], help="a SWE image to measure a reset of /testbed in"
+    )
     sys.exit(asyncio.run(main(parser.parse_args())))

@@ -200,7 +200,9 @@ class SandboxReuseSettings(_Section):
             clean = path.rstrip("/")
             if not path.startswith("/") or not clean or ".." in path.split("/"):
                 raise ValueError(f"writable path {path!r} must be an absolute path other than /")
-            if any(clean == top or clean.startswith(top + "/") for top in ("/proc", "/sys", "/dev", "/run", "/opt/prorl")):
+            if any(
+                clean == top or clean.startswith(top + "/") for top in ("/proc", "/sys", "/dev", "/run", "/opt/prorl")
+            ):
                 raise ValueError(f"writable path {path!r} is one the sandbox's own mounts need")
         return value
 

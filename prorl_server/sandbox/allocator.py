@@ -158,13 +158,14 @@ class WarmPool:
             waiter: asyncio.Future[Sandbox | None] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
-                sandbox = await waiter
+                handed = await waiter
             except asyncio.CancelledError:
-                if waiter.done() and not waiter.cancelled() and waiter.result() is not None:
-                    self._hand_out(waiter.result())  # handed over as the job was cancelled
+                late = waiter.result() if waiter.done() and not waiter.cancelled() else None
+                if late is not None and not self._hand_out(late):  # handed over as the job was cancelled
+                    await _remove(late)
                 raise
-            if sandbox is not None and await _healthy(sandbox):
-                return sandbox
+            if handed is not None and await _healthy(handed):
+                return handed
         return None
 
     async def close(self) -> None:
@@ -276,7 +277,7 @@ class SandboxAllocator:
             pool.reset_ended(None)
             await asyncio.shield(_remove(used))
             raise
-        except Exception as exc:  # noqa: BLE001 - any failure retires the sandbox, never a job
+        except Exception as exc:
             problems = [f"the reset failed: {type(exc).__name__}: {exc}"]
         self.reset_times.append(time.perf_counter() - started)
         if problems:
@@ -323,4 +324,3 @@ class SandboxAllocator:
 def _unlabelled(spec: SandboxSpec) -> SandboxSpec:
     """The spec a reuse pool keeps, without the first job's labels (its id)."""
     return SandboxSpec(image=spec.image, cpus=spec.cpus, memory_mib=spec.memory_mib, pids_limit=spec.pids_limit)
-

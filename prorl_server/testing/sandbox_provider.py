@@ -58,8 +58,8 @@ from prorl_server.sandbox.base import (
 )
 from prorl_server.sandbox.blame import NullInspector
 from prorl_server.sandbox.podman.reset_check import Entry, walk_tree
-from prorl_server.sandbox.runtime.abstract import SandboxRuntime
 from prorl_server.sandbox.runtime import RUNTIME_FILE
+from prorl_server.sandbox.runtime.abstract import SandboxRuntime
 from prorl_server.sandbox.runtime.client import RuntimeClient
 from prorl_server.sandbox.runtime.protocol import ResetPath, ResetRequest
 from prorl_server.sandbox.runtime.socket_runtime import SocketRuntime

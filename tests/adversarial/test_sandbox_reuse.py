@@ -22,11 +22,10 @@ from typing import Any
 
 import pytest
 
-from prorl_server.errors import ProrlError, SandboxError
+from prorl_server.errors import ProrlError
 from prorl_server.sandbox.allocator import ReusePolicy, SandboxAllocator
 from prorl_server.sandbox.base import Sandbox
-from prorl_server.sandbox.podman import PodmanProvider
-from prorl_server.sandbox.podman import reset_check
+from prorl_server.sandbox.podman import PodmanProvider, reset_check
 from prorl_server.sandbox.podman.container import PodmanContainer
 from prorl_server.sandbox.podman.container_spec import NOT_RESET
 from tests.conftest import SANDBOX_USER, small_spec
@@ -62,7 +61,8 @@ for top in WRITABLE:
                 continue  # this probe's own file
             info = os.lstat(path)
             try:
-                content = hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.isfile(path) and not top.startswith("/dev/mqueue") else ""
+                hashed = os.path.isfile(path) and not top.startswith("/dev/mqueue")
+                content = hashlib.sha256(open(path, "rb").read()).hexdigest() if hashed else ""
             except OSError as exc:
                 content = "unreadable"
             try:
@@ -76,8 +76,13 @@ def table(path):
     except OSError as exc:
         return [str(exc)]
 # held sockets (inode != 0): a TIME_WAIT left by a closed connection carries nothing
-sockets = [row for name in ("tcp", "tcp6", "udp", "udp6") for row in table(f"/proc/net/{name}") if row.split()[9] != "0"]
-python = subprocess.run([sys.executable, "-c", "import sys, importlib.util; print(sys.path, importlib.util.find_spec('sitecustomize') is not None, importlib.util.find_spec('usercustomize') is not None)"], capture_output=True, text=True).stdout
+tables = [table(f"/proc/net/{name}") for name in ("tcp", "tcp6", "udp", "udp6")]
+sockets = [row for rows in tables for row in rows if row.split()[9] != "0"]
+SITE = (
+    "import sys, importlib.util; find = importlib.util.find_spec; "
+    "print(sys.path, find('sitecustomize') is not None, find('usercustomize') is not None)"
+)
+python = subprocess.run([sys.executable, "-c", SITE], capture_output=True, text=True).stdout
 mask = os.umask(0); os.umask(mask)
 print(json.dumps({
     "processes": sorted(processes),
@@ -237,14 +242,15 @@ ATTEMPTS = {
     ),
     "user site-packages, .pth and sitecustomize": (
         "site=$(python3 -c 'import site; print(site.getusersitepackages())') && mkdir -p $site && "
-        "echo 'import os; os.environ[\"PWNED\"]=\"1\"' > $site/sitecustomize.py && "
+        'echo \'import os; os.environ["PWNED"]="1"\' > $site/sitecustomize.py && '
         "echo 'import sys; sys.path.insert(0, \"/tmp/evil\")' > $site/evil.pth && "
         "echo 'print(1)' > $site/usercustomize.py && echo 'x=1' > /workspace/sitecustomize.py"
     ),
     "system site-packages and PATH": (
         "for d in $(python3 -c 'import site; print(*site.getsitepackages())') /usr/local/bin /usr/bin; do "
         "echo x > $d/evil.pth 2>/dev/null && echo WROTE $d; done; "
-        "mkdir -p ~/.local/bin ~/bin && printf '#!/bin/sh\\necho hijacked\\n' > ~/.local/bin/ls && chmod +x ~/.local/bin/ls; "
+        "mkdir -p ~/.local/bin ~/bin && printf '#!/bin/sh\\necho hijacked\\n' > ~/.local/bin/ls; "
+        "chmod +x ~/.local/bin/ls; "
         "export PATH=/tmp:$PATH; printf '#!/bin/sh\\necho hijacked\\n' > /tmp/python3; chmod +x /tmp/python3"
     ),
     "shell start-up files and history": (
@@ -260,13 +266,15 @@ ATTEMPTS = {
     "Python tool state": None,
     "changed file modes and extended attributes": (
         "mkdir -p /workspace/sub && chmod 000 /workspace/sub; chmod 0777 ~; chmod 000 ~/.bashrc; "
-        "python3 -c 'import os; os.setxattr(\"/workspace\", \"user.leftover\", b\"1\"); "
-        "os.setxattr(\"/tmp\", \"user.leftover\", b\"1\") if os.stat(\"/tmp\").st_uid == os.getuid() else None'; "
-        "chmod 0700 /workspace; ln -s /etc/shadow /workspace/link; mkfifo /tmp/fifo; ln /workspace/.keep /tmp/hard 2>/dev/null; true"
+        'python3 -c \'import os; os.setxattr("/workspace", "user.leftover", b"1"); '
+        'os.setxattr("/tmp", "user.leftover", b"1") if os.stat("/tmp").st_uid == os.getuid() else None\'; '
+        "chmod 0700 /workspace; ln -s /etc/shadow /workspace/link; mkfifo /tmp/fifo; "
+        "ln /workspace/.keep /tmp/hard 2>/dev/null; true"
     ),
     "mount attempts": (
         "mkdir -p /tmp/m; mount -t tmpfs none /tmp/m 2>&1; unshare -m true 2>&1; unshare -Ur true 2>&1; "
-        "python3 -c 'import ctypes; print(ctypes.CDLL(None, use_errno=True).mount(b\"none\", b\"/tmp/m\", b\"tmpfs\", 0, None))'; true"
+        "python3 -c 'import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+        'print(libc.mount(b"none", b"/tmp/m", b"tmpfs", 0, None))\'; true'
     ),
     "process holding sockets open": python_file(SOCKET_HOLDER),
     "SysV message queue, semaphore and shared memory": python_file(SYSV_IPC),
@@ -275,7 +283,9 @@ ATTEMPTS = {
     "held locks": python_file(HELD_LOCK),
     "files in the runtime's socket folder": "echo x > /run/prorl/leftover; mkdir /run/prorl/d; true",
     "filling the writable paths": "head -c 20M /dev/zero > /tmp/big; head -c 20M /dev/zero > /workspace/big; true",
-    "the runtime's scratch files": "for d in /tmp/prorl-*; do echo 'echo hijacked' > $d/cmd.sh; chmod 000 $d; done; true",
+    "the runtime's scratch files": (
+        "for d in /tmp/prorl-*; do echo 'echo hijacked' > $d/cmd.sh; chmod 000 $d; done; true"
+    ),
 }
 
 
@@ -301,10 +311,16 @@ async def test_job_n_leaves_nothing_for_job_n_plus_1(provider: PodmanProvider, a
         names = await sandbox.python("print(sorted(n for n in dir() if not n.startswith('__')))", timeout_s=30)
         assert names.output.strip() == "[]"
         if attempt == "process holding sockets open":
-            connect = await sandbox.bash("python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 4567))'", timeout_s=30)
+            connect = await sandbox.bash(
+                "python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 4567))'", timeout_s=30
+            )
             assert connect.exit_code != 0 and "Connection refused" in connect.output
         if attempt == "held locks":
-            lock = await sandbox.bash("python3 -c 'import fcntl; fcntl.flock(open(\"/workspace/.lock\", \"w\"), fcntl.LOCK_EX | fcntl.LOCK_NB)'; echo $?", timeout_s=30)
+            lock = await sandbox.bash(
+                "python3 -c 'import fcntl; "
+                'fcntl.flock(open("/workspace/.lock", "w"), fcntl.LOCK_EX | fcntl.LOCK_NB)\'; echo $?',
+                timeout_s=30,
+            )
             assert lock.output.strip().endswith("0")
     finally:
         await sandbox.close()
@@ -355,7 +371,21 @@ async def test_the_hosts_checks_see_what_a_job_leaves(provider: PodmanProvider) 
 def _exec_as_root(name: str, command: str) -> None:
     """What no job can do: a root process in the container, from outside (podman exec)."""
     subprocess.run(
-        ["runuser", "-u", SANDBOX_USER, "--", "podman", "exec", "--privileged", "--user", "0", name, "sh", "-c", command],
+        [
+            "runuser",
+            "-u",
+            SANDBOX_USER,
+            "--",
+            "podman",
+            "exec",
+            "--privileged",
+            "--user",
+            "0",
+            name,
+            "sh",
+            "-c",
+            command,
+        ],
         check=True,
         capture_output=True,
         cwd="/",
@@ -367,7 +397,9 @@ async def test_a_reset_that_cannot_clean_reports_it(provider: PodmanProvider) ->
     sandbox = await provider.create(small_spec())
     try:
         assert isinstance(sandbox.container, PodmanContainer)
-        await asyncio.to_thread(_exec_as_root, sandbox.id, "mkdir /workspace/root-owned && touch /workspace/root-owned/f")
+        await asyncio.to_thread(
+            _exec_as_root, sandbox.id, "mkdir /workspace/root-owned && touch /workspace/root-owned/f"
+        )
         problems = await sandbox.container.reset(sandbox.runtime)
         assert any("/workspace" in problem for problem in problems), problems
     finally:
@@ -389,7 +421,9 @@ async def test_reuse_hands_the_reset_container_to_the_next_job(provider: PodmanP
         await first.close()
         second = await allocator.acquire(small_spec())  # waits for the reset under way
         assert second.id == container and second.jobs_served == 1
-        listing = await second.bash("ls -1A /workspace; grep -l 'slee[p] 1000' /proc/[0-9]*/cmdline | wc -l", timeout_s=30)
+        listing = await second.bash(
+            "ls -1A /workspace; grep -l 'slee[p] 1000' /proc/[0-9]*/cmdline | wc -l", timeout_s=30
+        )
         assert listing.output.split() == ["0"]
         await second.close()
         await assert_eventually(lambda: allocator.stats()[0].warm == 1)

@@ -49,12 +49,17 @@ async def test_the_next_job_gets_the_reset_sandbox_and_none_of_the_last_one(prov
     pools = await allocator(provider)
     try:
         first = await pools.acquire(SPEC)
-        await first.bash("export LEFT=1; cd src; echo x > ../left; echo y >> README; (sleep 1000 &); setsid sleep 999 &", timeout_s=10)
+        await first.bash(
+            "export LEFT=1; cd src; echo x > ../left; echo y >> README; (sleep 1000 &); setsid sleep 999 &",
+            timeout_s=10,
+        )
         await first.python("secret = 42", timeout_s=10)
         await first.close()
         second = await pools.acquire(SPEC)  # the reset is under way: it is waited for, not a new one started
         assert second.id == first.id and len(provider.created) == 1
-        listing = await second.bash("echo LEFT=$LEFT; pwd; ls -1; cat README; grep -l 'slee[p] 99' /proc/[0-9]*/cmdline | wc -l", timeout_s=10)
+        listing = await second.bash(
+            "echo LEFT=$LEFT; pwd; ls -1; cat README; grep -l 'slee[p] 99' /proc/[0-9]*/cmdline | wc -l", timeout_s=10
+        )
         assert isinstance(second.container, FakeContainer)
         assert listing.output.split("\n")[:5] == ["LEFT=", str(second.container.workdir), "README", "src", "as built"]
         assert listing.output.split()[-1] == "0"
@@ -83,7 +88,9 @@ async def test_a_sandbox_whose_reset_fails_is_retired(provider: FakeSandboxProvi
         await pools.close()
 
 
-async def test_the_pool_grows_with_the_load_up_to_its_bound_and_shrinks_when_idle(provider: FakeSandboxProvider) -> None:
+async def test_the_pool_grows_with_the_load_up_to_its_bound_and_shrinks_when_idle(
+    provider: FakeSandboxProvider,
+) -> None:
     pools = await allocator(provider, max_idle=2, idle_s=5.0)
     try:
         held = await asyncio.gather(*(pools.acquire(SPEC) for _ in range(3)))
@@ -132,7 +139,6 @@ async def test_without_reuse_a_sandbox_is_removed_after_its_job(provider: FakeSa
 
 async def test_the_reset_refuses_outside_a_sandbox_and_a_subreaper(tmp_path: Path) -> None:
     """kill(-1) on a host would reach every process of the uid: the op refuses there."""
-    import subprocess
     import sys
 
     from prorl_server.sandbox.runtime import RUNTIME_FILE
@@ -147,5 +153,8 @@ async def test_the_reset_refuses_outside_a_sandbox_and_a_subreaper(tmp_path: Pat
         "except RuntimeError as exc:\n"
         "    print('refused:', exc)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert result.stdout.startswith("refused: reset runs only in a sandbox"), result.stderr
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, str(tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    stdout, stderr = await process.communicate()
+    assert stdout.decode().startswith("refused: reset runs only in a sandbox"), stderr.decode()

@@ -108,15 +108,19 @@ def writable_mounts(spec: SandboxSpec, options: PodmanOptions) -> list[dict[str,
     (podman-py cannot say `exec` or the owner). Each is filled from the image (Podman's
     tmpcopyup); its size is bounded by the container's memory limit, which tmpfs pages count
     against."""
-    uid, _, gid = options.container_user.partition(":")
     mounts = []
     for path in writable_paths(options):
         if path in WORLD_WRITABLE:
             owner = ["mode=1777", f"size={options.tmp_mib}m"]
         else:
-            owner = ["mode=0755", "U", f"size={spec.memory_mib}m"]
+            owner = ["mode=0755", "U", f"size={spec.memory_mib}m"]  # U: owned by the container user
         mounts.append(
-            {"type": "tmpfs", "source": "tmpfs", "destination": path, "options": ["rw", "exec", "nosuid", "nodev", *owner]}
+            {
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "destination": path,
+                "options": ["rw", "exec", "nosuid", "nodev", *owner],
+            }
         )
     return mounts
 

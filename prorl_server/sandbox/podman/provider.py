@@ -32,8 +32,8 @@ from prorl_server.errors import SandboxError
 from prorl_server.sandbox.base import LABEL_MANAGED, LABEL_SERVER, Sandbox, SandboxProvider, SandboxSpec
 from prorl_server.sandbox.blame import HostInspector, HostView, RuntimeState
 from prorl_server.sandbox.cgroups import CgroupV1Limiter
-from prorl_server.sandbox.podman.container import PodmanContainer
 from prorl_server.sandbox.podman import reset_check
+from prorl_server.sandbox.podman.container import PodmanContainer
 from prorl_server.sandbox.podman.container_spec import (
     COMMAND_NOT_FOUND,
     IMAGE_MOUNT,

@@ -157,9 +157,9 @@ def writable_mounts(pid: int, *, skip: frozenset[str] = frozenset()) -> list[tup
     """(mount point, fstype) of the mounts a process of the container could write to."""
     found = []
     for point, options, fstype, _ in _mount_table(pid):
-        if "rw" in options.split(",") and fstype not in SKIPPED_FSTYPES and point not in skip:
-            if not any(point == other or point.startswith(other.rstrip("/") + "/") for other in skip):
-                found.append((point, fstype))
+        below_skipped = any(point == other or point.startswith(other.rstrip("/") + "/") for other in skip)
+        if "rw" in options.split(",") and fstype not in SKIPPED_FSTYPES and not below_skipped:
+            found.append((point, fstype))
     return found
 
 

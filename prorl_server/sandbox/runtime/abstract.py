@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 from typing import ClassVar, Literal
 
+from prorl_server.errors import SandboxError
 from prorl_server.sandbox.runtime.protocol import (
     BashRequest,
     BashResponse,
@@ -32,7 +33,6 @@ from prorl_server.sandbox.runtime.protocol import (
     WriteFileRequest,
     WriteFileResponse,
 )
-from prorl_server.errors import SandboxError
 from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler
 
 RuntimeMode = Literal["runtime", "exec"]

@@ -1100,8 +1100,11 @@ def _serving_under_own_init():
             init = handle.read().split(b"\0")
     except OSError:
         return False
-    return os.getppid() == 1 and b"serve" in init and b"--init" in init and any(
-        part.endswith(os.path.basename(__file__).encode()) for part in init
+    return (
+        os.getppid() == 1
+        and b"serve" in init
+        and b"--init" in init
+        and any(part.endswith(os.path.basename(__file__).encode()) for part in init)
     )
 
 
