@@ -301,7 +301,7 @@ def report(run: Run, floor_rate: float, containers_per_job: int) -> None:
 
 
 async def main(args: argparse.Namespace) -> int:
-    configure_logging("error")
+    configure_logging(level="error")
     service = PodmanService(user="prorl", name=f"throughput-{uuid.uuid4().hex[:6]}")
     await service.start()
     problems = 0

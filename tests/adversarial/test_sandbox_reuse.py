@@ -281,6 +281,10 @@ ATTEMPTS = {
     "POSIX message queue, shared memory and semaphore": python_file(POSIX_IPC),
     "kernel keyring entries": python_file(KEYRING),
     "held locks": python_file(HELD_LOCK),
+    "poisoning the image copy the reset restores from": (
+        "for f in /opt/prorl-image/tmp/x /opt/prorl-image/home/agent/.bashrc /opt/prorl-image/workspace/x; do "
+        "echo poisoned > $f 2>/dev/null && echo WROTE $f; done; true"
+    ),
     "files in the runtime's socket folder": "echo x > /run/prorl/leftover; mkdir /run/prorl/d; true",
     "filling the writable paths": "head -c 20M /dev/zero > /tmp/big; head -c 20M /dev/zero > /workspace/big; true",
     "the runtime's scratch files": (

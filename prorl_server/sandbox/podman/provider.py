@@ -244,8 +244,11 @@ class PodmanProvider(SandboxProvider):
         socket_runtime = SocketRuntime(client, max_output_bytes=self._options.max_output_bytes, inspector=inspector)
         if view is not None:
             try:  # the new container as a reset must leave it: taken before any job ran in it
-                handle.pristine = await self.call(lambda: reset_check.snapshot(init_pid, skip=NOT_RESET))
-                handle.view = view
+                if await self.call(lambda: reset_check.read_only(init_pid, IMAGE_MOUNT)):
+                    handle.pristine = await self.call(lambda: reset_check.snapshot(init_pid, skip=NOT_RESET))
+                    handle.view = view
+                else:  # a job could change what resets restore from: never reused
+                    log.warning("sandbox_image_mount_writable", container=name)
             except OSError as exc:  # not readable from here: it is never reused
                 log.warning("sandbox_not_inspectable", container=name, error=str(exc))
             except BaseException:

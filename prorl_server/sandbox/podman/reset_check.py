@@ -153,6 +153,17 @@ def _mount_table(pid: int) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def read_only(pid: int, point: str) -> bool:
+    """Whether the mount at `point` in `pid`'s table cannot be written (mount or superblock ro)."""
+    for line in (PROC / str(pid) / "mountinfo").read_text().splitlines():
+        fields, _, tail = line.partition(" - ")
+        parts = fields.split()
+        if parts[4] == point:
+            super_options = tail.split()[2].split(",") if len(tail.split()) > 2 else []
+            return "ro" in parts[5].split(",") or "ro" in super_options
+    return False
+
+
 def writable_mounts(pid: int, *, skip: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """(mount point, fstype) of the mounts a process of the container could write to."""
     found = []
