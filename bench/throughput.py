@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import re
 import sys
@@ -66,6 +67,7 @@ class Run:
     resets: list[float] = field(default_factory=list)
     reused: int = 0
     retired: int = 0
+    reasons: collections.Counter[str] = field(default_factory=collections.Counter)
 
     @property
     def rate(self) -> float:
@@ -260,7 +262,8 @@ async def run_jobs(
                 continue
             result = item.finished.result
             if result.status != v1.JOB_STATUS_SUCCEEDED:
-                if result.failure.infrastructure:
+                run.reasons[result.failure.reason] += 1
+                if result.failure.kind == v1.FAILURE_KIND_INFRASTRUCTURE:
                     run.infrastructure += 1
                 else:
                     run.other_failures += 1
@@ -298,6 +301,8 @@ def report(run: Run, floor_rate: float, containers_per_job: int) -> None:
         f"  judge(eval) {p50['judge']:.1f}  reset {resets} (off the job's path)"
         f"  reused {run.reused} retired {run.retired}"
     )
+    if run.reasons:
+        print(f"{'':<28} failures: {dict(run.reasons)}")
 
 
 async def main(args: argparse.Namespace) -> int:

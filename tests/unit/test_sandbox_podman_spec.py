@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prorl_server.sandbox.base import LABEL_JOB, SandboxSpec
 from prorl_server.sandbox.podman import RUNTIME_MOUNT, SECCOMP_PROFILE, SOCKET_MOUNT, PodmanOptions
-from prorl_server.sandbox.podman.container_spec import container_kwargs
+from prorl_server.sandbox.podman.container_spec import IMAGE_MOUNT, container_kwargs, writable_mounts
 from prorl_server.sandbox.podman.staging import RuntimeStaging
 from prorl_server.sandbox.runtime import JUDGE_FILE, RUNTIME_FILE
 
@@ -45,7 +45,14 @@ def test_a_runtime_container_is_locked_down_and_starts_the_runtime_as_its_init(t
         "--socket", f"{SOCKET_MOUNT}/rt.sock", "--workdir", "/workspace",
     ]  # fmt: skip
     mounts = {mount["target"]: mount for mount in kwargs["mounts"]}
-    assert mounts["/tmp"]["size"] == "64m"
+    # Read-only root; the writable paths are tmpfs mounts in the API's own form, filled from the image.
+    assert kwargs["read_only"] and kwargs["image_volumes"] == [
+        {"source": SPEC.image, "destination": IMAGE_MOUNT, "rw": False}
+    ]
+    writable = {mount["destination"]: mount["options"] for mount in writable_mounts(SPEC, options(tmp_path))}
+    assert {"/tmp", "/workspace"} <= set(writable)
+    assert "size=64m" in writable["/tmp"] and "mode=1777" in writable["/tmp"] and "exec" in writable["/tmp"]
+    assert "U" in writable["/workspace"] and "mode=0755" in writable["/workspace"]
     assert mounts[RUNTIME_MOUNT]["read_only"] and mounts[RUNTIME_MOUNT]["source"] == str(tmp_path / "runtime")
     assert mounts[SOCKET_MOUNT]["source"] == str(tmp_path / "sockets" / "unit" / "c1")
 

@@ -7,6 +7,8 @@ tests/adversarial/test_sandbox_reuse.py."""
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -105,7 +107,7 @@ async def test_the_pool_grows_with_the_load_up_to_its_bound_and_shrinks_when_idl
         assert len(provider.created) == 3  # no container was started for them
         for sandbox in again:
             await sandbox.close()
-        await assert_eventually(lambda: provider.busy == 0, message="idle sandboxes were never removed")
+        await assert_eventually(lambda: provider.busy == 0, timeout_s=120, message="idle sandboxes were never removed")
     finally:
         await pools.close()
 
@@ -137,7 +139,7 @@ async def test_without_reuse_a_sandbox_is_removed_after_its_job(provider: FakeSa
         await pools.close()
 
 
-async def test_the_reset_refuses_outside_a_sandbox_and_a_subreaper(tmp_path: Path) -> None:
+async def test_the_reset_refuses_outside_a_sandbox_and_a_subreaper() -> None:
     """kill(-1) on a host would reach every process of the uid: the op refuses there."""
     import sys
 
@@ -153,8 +155,10 @@ async def test_the_reset_refuses_outside_a_sandbox_and_a_subreaper(tmp_path: Pat
         "except RuntimeError as exc:\n"
         "    print('refused:', exc)\n"
     )
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", code, str(tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    stdout, stderr = await process.communicate()
+    with tempfile.TemporaryDirectory() as scratch:  # the sessions' scratch folders go there
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, scratch,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "TMPDIR": scratch},
+        )  # fmt: skip
+        stdout, stderr = await process.communicate()
     assert stdout.decode().startswith("refused: reset runs only in a sandbox"), stderr.decode()
