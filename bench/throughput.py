@@ -270,6 +270,8 @@ async def run_jobs(
                 continue
             if result.reward != expected[item.job_id]:
                 run.wrong += 1
+                if run.wrong <= 3:  # what the verifier saw, to tell a wrong verdict from a slow tool
+                    print(f"  wrong verdict {item.job_id}: reward {result.reward}, details {dict(result.details)}")
             timing = result.timing
             acquire = seconds(timing.sandbox_acquire)
             run.costs["queue"].append(seconds(timing.queue))
@@ -327,13 +329,14 @@ async def main(args: argparse.Namespace) -> int:
         code_llm = ScriptedLLMServer(human_eval_script())
         await code_llm.start()
         try:
-            for reuse in (False, True):
+            modes = [mode == "reuse" for mode in args.modes.split(",")]
+            for reuse in modes if "math" in args.kinds else ():
                 label = "reuse" if reuse else "new container"
                 requests, expected = math_requests(f"math-{int(reuse)}", args.math)
                 run = await run_jobs(f"math 2-turn ({label})", service.url, math_llm, requests, expected, reuse)
                 report(run, floor_rate, 1)
                 problems += run.infrastructure + run.wrong + run.other_failures
-            for reuse in (False, True):
+            for reuse in modes if "humaneval" in args.kinds else ():
                 label = "reuse" if reuse else "new container"
                 requests, expected = human_eval_requests(f"he-{int(reuse)}", args.mutants)
                 run = await run_jobs(f"humaneval run+judge ({label})", service.url, code_llm, requests, expected, reuse)
@@ -353,6 +356,8 @@ if __name__ == "__main__":
     parser.add_argument("--math", type=int, default=400, help="math jobs per run")
     parser.add_argument("--floor", type=int, default=100, help="bare container lifecycles")
     parser.add_argument("--mutants", type=int, default=20, help="HumanEval problems also run with a mutated solution")
+    parser.add_argument("--kinds", default="math,humaneval", help="which job kinds to run")
+    parser.add_argument("--modes", default="new,reuse", help="new (a container per sandbox), reuse, or both")
     parser.add_argument("--resets", type=int, default=10, help="resets and new containers compared per image")
     parser.add_argument(
         "--swe-image", action="append", default=[], help="a SWE image to measure a reset of /testbed in"
