@@ -216,6 +216,7 @@ class ProrlServer:
                 cgroup_limits=box.cgroup_limits,
                 max_sandboxes=box.max_sandboxes,
                 allow_exec_fallback=box.allow_exec_fallback,
+                reusable=box.reuse.enabled,
                 writable_paths=tuple(box.reuse.writable_paths),
                 reset_timeout_s=box.reuse.reset_timeout_s,
             ),

@@ -179,7 +179,10 @@ class SandboxReuseSettings(_Section):
 
     enabled: bool = False
     """Reset a job's sandbox for the next job of the same image and resources instead of
-    removing it; a sandbox whose reset cannot be proven complete is removed."""
+    removing it; a sandbox whose reset cannot be proven complete is removed. On, sandboxes
+    also start differently: a read-only root, the writable_paths on tmpfs filled from the
+    image, the image mounted read-only as the reset's source. Off (the default): a sandbox's
+    root is its container's own writable layer and each serves one job."""
     max_idle_per_pool: int = Field(16, ge=0, le=4096)
     """Reset sandboxes kept ready per image and resource spec at most: the pool grows with the
     concurrency of its jobs up to this, and shrinks after idle_s."""
@@ -190,8 +193,9 @@ class SandboxReuseSettings(_Section):
     reset_timeout_s: float = Field(30.0, gt=0)
     """A reset and its proof still running after this retire the sandbox."""
     writable_paths: list[str] = ["/tmp", "/var/tmp", "/home/agent", "/workspace", "/testbed"]
-    """Where a sandbox may write, each a tmpfs filled from its image (the root file system is
-    read-only); /tmp and sandbox.workdir always are. A reset restores each from the image."""
+    """With reuse on: where a sandbox may write, each a tmpfs filled from its image (the root
+    file system is read-only); /tmp and sandbox.workdir always are. A reset restores each from
+    the image."""
 
     @field_validator("writable_paths")
     @classmethod

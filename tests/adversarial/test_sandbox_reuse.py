@@ -33,6 +33,13 @@ from tests.helpers import assert_eventually
 
 pytestmark = pytest.mark.podman
 
+
+@pytest.fixture
+def provider(reusable_provider: PodmanProvider) -> PodmanProvider:
+    """Every sandbox here is started reusable (sandbox.reuse.enabled: read-only root, tmpfs writable paths)."""
+    return reusable_provider
+
+
 WRITABLE = ["/tmp", "/var/tmp", "/workspace", "/home/agent", "/testbed", "/dev/shm", "/dev/mqueue"]
 
 PROBE = r"""

@@ -11,16 +11,21 @@ import os
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
+from prorl_client import Client
+from prorl_server.app import ProrlServer
+from prorl_server.config import load_settings
 from prorl_server.errors import SandboxError
 from prorl_server.sandbox.allocator import ReusePolicy, SandboxAllocator
 from prorl_server.sandbox.base import SandboxSpec
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeContainer, FakeSandboxProvider
-from tests.helpers import assert_eventually
+from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text, turn_index
+from tests.helpers import assert_eventually, math_request
 
 SPEC = SandboxSpec(image="fake:latest", cpus=1.0, memory_mib=256, pids_limit=64)
 
@@ -162,3 +167,44 @@ async def test_the_reset_refuses_outside_a_sandbox_and_a_subreaper() -> None:
         )  # fmt: skip
         stdout, stderr = await process.communicate()
     assert stdout.decode().startswith("refused: reset runs only in a sandbox"), stderr.decode()
+
+
+async def test_through_a_live_server_jobs_one_after_another_share_a_sandbox_and_see_nothing_of_each_other() -> None:
+    """A real ProrlServer on a real port and the real client, with reuse on: each math job's
+    first turn counts what the job before it left in the workdir, then leaves a file of its
+    own. Each Rollout stream must end (a job whose sandbox goes back to the pool ends within
+    microseconds of its last event: the event log's followers must not miss that end)."""
+
+    def script(messages: list[dict[str, Any]]) -> ScriptedReply:
+        if turn_index(messages) == 0:
+            return ScriptedReply(tool_call_text("bash", {"command": "ls -A | wc -l; echo x > left; echo $$"}))
+        return ScriptedReply(tool_call_text("finish", {"answer": "42"}))
+
+    provider = FakeSandboxProvider(instance_id=instance_id("reuse"))
+    settings = load_settings(
+        None,
+        environ={},
+        overrides={
+            "server": {"port": 0, "instance_id": instance_id("server"), "shutdown_grace_s": 0},
+            "jobs": {"store": False},
+            "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
+            "sandbox": {"reuse": {"enabled": True}},
+        },
+    )
+    server = ProrlServer(settings, sandbox_provider=provider, backends=[ScriptedChatBackend(script)])
+    await server.start()
+    client = Client.connect(server.address)
+    try:
+        for index in range(3):
+            events = [event async for event in client.rollout(math_request("What is 6 * 7?", job_id=f"r{index}"))]
+            assert events[-1].finished.result.reward == 1.0
+            (output,) = [event.tool_result.output for event in events if event.HasField("tool_result")][:1]
+            assert output.split()[0] == "0", output  # nothing of the job before
+        assert len(provider.created) == 1  # one sandbox served all three
+        stats = await client.get_stats()
+        assert stats.sandboxes_busy == 0
+        await assert_eventually(lambda: server._sandboxes is not None and server._sandboxes.stats()[0].reused == 3)
+    finally:
+        await client.close()
+        await server.stop()
+    assert provider.busy == 0

@@ -4,9 +4,10 @@ Every container runs with no network, no capabilities, `no_new_privileges`
 (setuid binaries gain nothing), the seccomp profile staged beside the runtime
 (staging.py), a tmpfs /tmp, and the spec's memory, cpu and pids limits.
 
-A runtime container's root file system is read-only: it can write only to its
-writable paths (PodmanOptions.writable_paths, each a tmpfs filled from the
-image when the container starts), /dev/shm and /dev/mqueue. Its own image is
+A reusable runtime container (PodmanOptions.reusable, i.e. sandbox.reuse.enabled)
+has a read-only root file system: it can write only to its writable paths
+(PodmanOptions.writable_paths, each a tmpfs filled from the image when the
+container starts), /dev/shm and /dev/mqueue. Its own image is
 mounted read-only at IMAGE_MOUNT as well, the copy a reset restores those
 paths from (sandbox/podman/reset_check.py, prorl_runtime.py `reset_runtime`).
 
@@ -92,12 +93,16 @@ def container_kwargs(
             f"{RUNTIME_MOUNT}/{RUNTIME_FILE.name}", "serve", "--init",
             "--socket", f"{SOCKET_MOUNT}/{SOCKET_NAME}", "--workdir", options.workdir,
         ]  # fmt: skip
-        kwargs["mounts"] = [
+        binds = [
             {"type": "bind", "source": str(staging.runtime_dir), "target": RUNTIME_MOUNT, "read_only": True},
             {"type": "bind", "source": str(staging.socket_dir(name)), "target": SOCKET_MOUNT},
         ]
-        kwargs["read_only"] = True
-        kwargs["image_volumes"] = [{"source": spec.image, "destination": IMAGE_MOUNT, "rw": False}]
+        if options.reusable:  # /tmp is among the writable paths (writable_mounts)
+            kwargs["mounts"] = binds
+            kwargs["read_only"] = True
+            kwargs["image_volumes"] = [{"source": spec.image, "destination": IMAGE_MOUNT, "rw": False}]
+        else:
+            kwargs["mounts"] += binds
     else:
         kwargs["command"] = ["sleep", "infinity"]
     return kwargs

@@ -162,7 +162,8 @@ class PodmanProvider(SandboxProvider):
         def create_and_start() -> Any:
             if runtime:
                 self._staging.make_socket_dir(name)
-            container = self._create_runtime_container(spec, kwargs) if runtime else None
+            reusable = runtime and self._options.reusable
+            container = self._create_runtime_container(spec, kwargs) if reusable else None
             if container is None:
                 container = self.client.containers.create(spec.image, **kwargs)
             try:
@@ -242,7 +243,7 @@ class PodmanProvider(SandboxProvider):
             log.warning("sandbox_processes_not_visible", container=name, pid=init_pid)
         inspector = HostInspector(view, handle, run_in_thread=self.call)
         socket_runtime = SocketRuntime(client, max_output_bytes=self._options.max_output_bytes, inspector=inspector)
-        if view is not None:
+        if view is not None and self._options.reusable:
             try:  # the new container as a reset must leave it: taken before any job ran in it
                 if await self.call(lambda: reset_check.read_only(init_pid, IMAGE_MOUNT)):
                     handle.pristine = await self.call(lambda: reset_check.snapshot(init_pid, skip=NOT_RESET))
@@ -261,7 +262,7 @@ class PodmanProvider(SandboxProvider):
         """Reset the sandbox for another job and prove it from the host (reset_check.py):
         the problems found, [] when it is as new."""
         if handle.pristine is None or handle.view is None:
-            return ["the sandbox cannot be inspected from the host"]
+            return ["the sandbox was not started reusable or cannot be inspected from the host"]
         view, pristine = handle.view, handle.pristine
         paths = [ResetPath(path, f"{IMAGE_MOUNT}{path}", reset_mode(path)) for path in writable_paths(self._options)]
         paths += [ResetPath(path, None, 0o1777) for path in ("/dev/shm", "/dev/mqueue")]
