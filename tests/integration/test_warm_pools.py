@@ -25,7 +25,7 @@ async def test_acquire_takes_a_warm_sandbox_and_the_pool_refills(provider) -> No
     pools.start()
     try:
         await assert_eventually(lambda: pools.stats()[0].warm == 2, message="pool never filled")
-        warm_ids = {sandbox.id for sandbox in pools._pools[spec.pool_key].ready}
+        warm_ids = {sandbox.id for sandbox, _ in pools._pools[spec.pool_key].ready}
 
         first = await pools.acquire(small_spec())
         assert first.id in warm_ids
