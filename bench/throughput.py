@@ -413,11 +413,11 @@ async def main(args: argparse.Namespace) -> int:
             )
         math_llm = ScriptedLLMServer(math_script)
         await math_llm.start()
-        problems = load_problems()
-        wrong = await mutants(problems, args.mutants) if "humaneval" in args.kinds else []
+        human_eval = load_problems()
+        wrong = await mutants(human_eval, args.mutants) if "humaneval" in args.kinds else []
         if "humaneval" in args.kinds:
-            print(f"humaneval: {len(problems)} canonical solutions, {len(wrong)} mutants that fail its own tests")
-        code_llm = ScriptedLLMServer(human_eval_script(problems, wrong))
+            print(f"humaneval: {len(human_eval)} canonical solutions, {len(wrong)} mutants that fail its own tests")
+        code_llm = ScriptedLLMServer(human_eval_script(human_eval, wrong))
         await code_llm.start()
         try:
             modes = [mode == "reuse" for mode in args.modes.split(",")]
@@ -429,7 +429,7 @@ async def main(args: argparse.Namespace) -> int:
                 problems += run.infrastructure + run.wrong + run.other_failures
             for reuse in modes if "humaneval" in args.kinds else ():
                 label = "reuse" if reuse else "new container"
-                requests, expected = human_eval_requests(f"he-{int(reuse)}", problems, wrong)
+                requests, expected = human_eval_requests(f"he-{int(reuse)}", human_eval, wrong)
                 run = await run_jobs(f"humaneval run+judge ({label})", service.url, code_llm, requests, expected, reuse)
                 report(run, floor_rate, 2)
                 problems += run.infrastructure + run.wrong + run.other_failures
