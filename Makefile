@@ -15,7 +15,7 @@ export PRORL_VLLM_VENV := $(VLLM_VENV)
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-demo setup-host setup-python images proto proto-check lint lint-proto test test-loaded test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-vllm bench-load bench-cluster bench-feed bench-verification
+.PHONY: setup setup-demo setup-host setup-python images proto proto-check lint lint-proto test test-loaded test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-vllm bench-load bench-cluster bench-feed bench-verification bench-throughput
 
 setup: setup-host setup-python images
 
@@ -91,7 +91,7 @@ test-all: setup setup-vllm proto-check lint test-without-podman
 	$(PYTEST) -m "podman or e2e or slow or postgres or vllm" -q --durations=25
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
-bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification
+bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification bench-throughput
 
 bench-sandbox: setup
 	$(PIP) install --quiet -e '.[bench]'
@@ -131,6 +131,10 @@ bench-verification: setup
 # embedded model: vLLM on 127.0.0.1:8000, prorl's gRPC on 127.0.0.1:50051 (docs/llm.md).
 serve-vllm: setup setup-vllm
 	$(PYTHON) scripts/serve_vllm.py
+
+# Jobs/s with and without sandbox reuse, against Podman's container floor in the same run.
+bench-throughput: setup
+	$(PYTHON) bench/throughput.py
 
 # The demo's own set-up is lighter than `setup`: Podman, the venv with the server and the embedded
 # model only (no Go, C++, PostgreSQL, Slurm, chromium, torch or test tools), and the images.

@@ -51,7 +51,7 @@ from prorl_server.llm.factory import build_backend
 from prorl_server.llm.llama_cpp_backend import EMBEDDED_MODEL_NAME, LlamaCppBackend
 from prorl_server.llm.router import BackendRouter
 from prorl_server.metrics import Metrics
-from prorl_server.sandbox.allocator import SandboxAllocator
+from prorl_server.sandbox.allocator import ReusePolicy, SandboxAllocator
 from prorl_server.sandbox.base import LABEL_POOL, SandboxProvider, SandboxSpec
 from prorl_server.sandbox.none import NoSandboxes
 from prorl_server.sandbox.podman import PodmanOptions, PodmanProvider
@@ -150,7 +150,15 @@ class ProrlServer:
             front = cluster and not settings.cluster.run_jobs
             self._provider = NoSandboxes() if front else await self._podman_provider()
         await self._provider.start()
-        self._sandboxes = SandboxAllocator(self._provider, self._warm_pool_specs())
+        reuse = self.settings.sandbox.reuse
+        policy = ReusePolicy(
+            enabled=reuse.enabled,
+            max_idle=reuse.max_idle_per_pool,
+            idle_s=reuse.idle_s,
+            max_jobs=reuse.max_jobs_per_sandbox,
+            reset_timeout_s=reuse.reset_timeout_s + 30.0,  # the proof's share on top of the runtime's
+        )
+        self._sandboxes = SandboxAllocator(self._provider, self._warm_pool_specs(), reuse=policy)
         self._sandboxes.start()
         await checker_pool.hold_shared_pool(settings.verifier)
         self._holds_checkers = True
@@ -236,6 +244,9 @@ class ProrlServer:
                 cgroup_limits=box.cgroup_limits,
                 max_sandboxes=box.max_sandboxes,
                 allow_exec_fallback=box.allow_exec_fallback,
+                reusable=box.reuse.enabled,
+                writable_paths=tuple(box.reuse.writable_paths),
+                reset_timeout_s=box.reuse.reset_timeout_s,
             ),
         )
 

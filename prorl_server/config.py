@@ -179,6 +179,44 @@ class WarmPoolSettings(_Section):
     """None: sandbox.pids_limit."""
 
 
+class SandboxReuseSettings(_Section):
+    """Sandboxes serving job after job (docs/sandboxes.md, "Reuse"): a reset, proven from the
+    host, instead of a new container."""
+
+    enabled: bool = False
+    """Reset a job's sandbox for the next job of the same image and resources instead of
+    removing it; a sandbox whose reset cannot be proven complete is removed. On, sandboxes
+    also start differently: a read-only root, the writable_paths on tmpfs filled from the
+    image, the image mounted read-only as the reset's source. Off (the default): a sandbox's
+    root is its container's own writable layer and each serves one job."""
+    max_idle_per_pool: int = Field(16, ge=0, le=4096)
+    """Reset sandboxes kept ready per image and resource spec at most: the pool grows with the
+    concurrency of its jobs up to this, and shrinks after idle_s."""
+    idle_s: float = Field(60.0, gt=0)
+    """A ready sandbox beyond its pool's configured size that no job took for this long is removed."""
+    max_jobs_per_sandbox: int = Field(1000, ge=1)
+    """Jobs one container serves before it is removed anyway."""
+    reset_timeout_s: float = Field(30.0, gt=0)
+    """A reset and its proof still running after this retire the sandbox."""
+    writable_paths: list[str] = ["/tmp", "/var/tmp", "/home/agent", "/workspace", "/testbed"]
+    """With reuse on: where a sandbox may write, each a tmpfs filled from its image (the root
+    file system is read-only); /tmp and sandbox.workdir always are. A reset restores each from
+    the image."""
+
+    @field_validator("writable_paths")
+    @classmethod
+    def _plain_paths(cls, value: list[str]) -> list[str]:
+        for path in value:
+            clean = path.rstrip("/")
+            if not path.startswith("/") or not clean or ".." in path.split("/"):
+                raise ValueError(f"writable path {path!r} must be an absolute path other than /")
+            if any(
+                clean == top or clean.startswith(top + "/") for top in ("/proc", "/sys", "/dev", "/run", "/opt/prorl")
+            ):
+                raise ValueError(f"writable path {path!r} is one the sandbox's own mounts need")
+        return value
+
+
 class SandboxSettings(_Section):
     podman_socket: str | None = None
     """URL of a Podman API socket (unix:///...). None: the server starts one as sandbox_user."""
@@ -210,6 +248,8 @@ class SandboxSettings(_Section):
     """On a cgroup v1 host, enforce CPU/memory/pids with cgroups the server (as root) creates."""
     warm_pools: list[WarmPoolSettings] = []
     """Started, healthy sandboxes kept ready per image and resource spec."""
+    reuse: SandboxReuseSettings = SandboxReuseSettings()
+    """Sandboxes reset and reused between jobs."""
     allowed_images: list[str] = [
         "localhost/prorl-python:latest",
         "localhost/prorl-swe-*:latest",

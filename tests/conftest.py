@@ -199,6 +199,17 @@ async def provider(podman_url: str) -> AsyncIterator[PodmanProvider]:
 
 
 @pytest_asyncio.fixture
+async def reusable_provider(podman_url: str) -> AsyncIterator[PodmanProvider]:
+    """Like `provider`, starting sandboxes that can be reset (sandbox.reuse.enabled)."""
+    instance = instance_id("reuse")
+    provider = PodmanProvider(url_factory=lambda: podman_url, options=podman_options(instance, reusable=True))
+    await provider.start()
+    yield provider
+    await provider.close()
+    assert not server_containers(podman_url, instance)
+
+
+@pytest_asyncio.fixture
 async def exec_provider(podman_url: str) -> AsyncIterator[PodmanProvider]:
     """Like `provider`, with the `podman exec` fallback for images without python3 allowed."""
     instance = instance_id("exec")

@@ -98,6 +98,10 @@ class EventLog:
         `durable_only`, each once it is in the store; see the module's docstring)."""
         index = max(after_seq, 0)
         while True:
+            # Taken before reading: a change made while this generator is suspended in a yield
+            # below (its reader slow, its gRPC write pending) sets this one, which the wait
+            # then sees; waiting on the Event current after the yields would miss it for good.
+            changed = self._changed
             limit = min(self.durable_seq, len(self._events)) if durable_only else len(self._events)
             while index < limit:
                 yield self._events[index]
@@ -106,4 +110,4 @@ class EventLog:
                 return
             if durable_only and self.durability_lost:
                 return
-            await self._changed.wait()
+            await changed.wait()

@@ -9,6 +9,10 @@ from what can be done inside it (sandbox/runtime/abstract.py). Implementations:
 from __future__ import annotations
 
 import abc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prorl_server.sandbox.runtime.abstract import SandboxRuntime
 
 
 class ContainerHandle(abc.ABC):
@@ -30,3 +34,9 @@ class ContainerHandle(abc.ABC):
     async def limits_hit(self) -> list[str]:
         """The sandbox's limits it ran into so far, e.g. ["pids"], ["memory"]; [] when
         none or not known."""
+
+    async def reset(self, runtime: SandboxRuntime) -> list[str]:
+        """Bring the sandbox back to how it was new, through `runtime`, and prove it: the
+        problems found, [] only when nothing of what ran in it is left. A sandbox with any
+        problem must not serve another job. By default: not resettable."""
+        return ["this provider's sandboxes cannot be reset"]

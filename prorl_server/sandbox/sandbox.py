@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from prorl_server.errors import SandboxError
@@ -70,9 +70,20 @@ def judge_result(response: JudgeResponse) -> JudgeResult:
 class Sandbox:
     """A started sandbox. Calls after `close()` raise SandboxError."""
 
-    def __init__(self, runtime: SandboxRuntime, container: ContainerHandle) -> None:
+    def __init__(
+        self,
+        runtime: SandboxRuntime,
+        container: ContainerHandle,
+        *,
+        recycle: Callable[[Sandbox], Awaitable[None]] | None = None,
+    ) -> None:
+        """`recycle`: given, `close()` hands the runtime and container to it (to be reset for
+        another job, or removed) instead of removing them; this object is closed either way."""
         self._runtime = runtime
         self._container = container
+        self._recycle = recycle
+        self.jobs_served = 0
+        """Jobs this container served before the one holding this object (reuse)."""
         self._close_callbacks: list[Callable[[], None]] = []
         self._gateways: list[GatewayHandle] = []
         self._closed = False
@@ -177,8 +188,8 @@ class Sandbox:
         return gateway
 
     async def close(self) -> None:
-        """Close the gateways, stop the runtime and remove the container; the close callbacks
-        run before the runtime stops."""
+        """Close the gateways, stop the runtime and remove the container (or hand both to
+        `recycle`); the close callbacks run before the runtime stops."""
         if self._closed:
             return
         self._closed = True
@@ -189,6 +200,9 @@ class Sandbox:
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:
             callback()
+        if self._recycle is not None:
+            await self._recycle(self)
+            return
         try:
             await self._runtime.close()
         finally:

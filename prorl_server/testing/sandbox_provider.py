@@ -20,6 +20,13 @@ sandbox takes that path over from the previous one, whose files it replaces: fin
 a job's sandboxes, which are used one after the other (the SWE agent's, then the
 judge's), wrong for jobs running side by side.
 
+Reset (ContainerHandle.reset, for reuse) goes through the real runtime's `reset` op:
+as a child subreaper outside a sandbox's own PID namespace it kills only its own
+descendants and restores the sandbox's workdir (from the image's files) and its
+TMPDIR; the fake then checks, as the Podman provider does from the host, that no
+process is left under the runtime and that both trees equal the new sandbox's. It
+leaves IPC objects and keys alone (they would be the host's).
+
 Removal leaves nothing behind: the runtime is started as a child subreaper, so
 whatever it or the agent starts (even processes that leave their session or
 their parent) stays in its process tree; removal stops that whole tree, kills
@@ -50,8 +57,11 @@ from prorl_server.sandbox.base import (
     SandboxSpec,
 )
 from prorl_server.sandbox.blame import NullInspector
+from prorl_server.sandbox.podman.reset_check import Entry, walk_tree
 from prorl_server.sandbox.runtime import RUNTIME_FILE
+from prorl_server.sandbox.runtime.abstract import SandboxRuntime
 from prorl_server.sandbox.runtime.client import RuntimeClient
+from prorl_server.sandbox.runtime.protocol import ResetPath, ResetRequest
 from prorl_server.sandbox.runtime.socket_runtime import SocketRuntime
 
 ImageSetup = Callable[[Path], None]
@@ -128,6 +138,8 @@ class FakeContainer(ContainerHandle):
         self._workdir = workdir
         self.labels = {LABEL_MANAGED: "1", LABEL_SERVER: provider.instance_id, **spec.labels}
         self.process: asyncio.subprocess.Process | None = None
+        self.pristine: dict[str, dict[str, Entry]] | None = None
+        """The writable trees when new (what a reset must bring back)."""
         self._removal: asyncio.Task[None] | None = None
 
     @property
@@ -138,6 +150,11 @@ class FakeContainer(ContainerHandle):
     def workdir(self) -> Path:
         """`<folder>/work`, or the provider's fixed workdir (FakeSandboxProvider(fixed_workdir=True))."""
         return self._workdir or self.folder / "work"
+
+    @property
+    def lower(self) -> Path:
+        """A copy of the image's files, as the sandbox started with them (a reset restores them)."""
+        return self.folder / "image"
 
     @property
     def socket_path(self) -> Path:
@@ -209,6 +226,34 @@ class FakeContainer(ContainerHandle):
 
     async def limits_hit(self) -> list[str]:
         return []
+
+    def trees(self) -> dict[str, dict[str, Entry]]:
+        """The sandbox's writable trees as reset_check sees them. Blocking."""
+        return {str(path): walk_tree(str(path)) for path in (self.workdir, self.folder / "tmp")}
+
+    async def reset(self, runtime: SandboxRuntime) -> list[str]:
+        if self.pristine is None or self.process is None or self._provider.fixed:
+            return ["this fake sandbox cannot be reset"]
+        lower = str(self.lower) if self.lower.exists() else None
+        modes = {top: self.pristine[top]["."].mode & 0o7777 for top in self.pristine}
+        paths = (
+            ResetPath(str(self.workdir), lower, modes[str(self.workdir)]),
+            ResetPath(str(self.folder / "tmp"), None, modes[str(self.folder / "tmp")]),
+        )
+        reply = await runtime.reset(ResetRequest(paths, 30.0))
+        problems = [f"process left: {pid}" for pid in reply.processes]
+        problems += [f"{path} not restored: {why}" for path, why in reply.failed.items()]
+        assert self.process is not None
+        left = await asyncio.to_thread(_descendants, self.process.pid)
+        problems += [f"process left: {pid}" for pid in sorted(left)]
+        now = await asyncio.to_thread(self.trees)
+        for top in sorted(self.pristine):
+            before, after = self.pristine[top], now.get(top, {})
+            problems += [
+                f"{top}/{relative}: changed" for relative in sorted(set(before) | set(after))
+                if before.get(relative) != after.get(relative)
+            ]  # fmt: skip
+        return problems
 
     def __repr__(self) -> str:
         return f"FakeContainer({self.name!r}, image={self.spec.image!r})"
@@ -324,13 +369,21 @@ class FakeSandboxProvider(SandboxProvider):
                 container.workdir.mkdir()
                 if setup is not None:
                     await asyncio.to_thread(setup, container.workdir)
+                    # The image's files as the sandbox got them: what a reset restores.
+                    await asyncio.to_thread(shutil.copytree, container.workdir, container.lower, symlinks=True)
             await container.start(self._python, self._start_timeout_s)
             client = await RuntimeClient.open(str(container.socket_path))
         except BaseException:
             await container.remove()
             raise
         runtime = SocketRuntime(client, max_output_bytes=self._max_output_bytes, inspector=NullInspector(container))
+        if not self._fixed:
+            container.pristine = await asyncio.to_thread(container.trees)
         return Sandbox(runtime, container)
+
+    @property
+    def fixed(self) -> bool:
+        return self._fixed
 
     def forget(self, container: FakeContainer) -> None:
         self._live.pop(container.name, None)

@@ -17,6 +17,7 @@ from podman import PodmanClient
 from prorl_client import Client, RpcError, v1
 from prorl_server.errors import ProrlError
 from prorl_server.sandbox.podman import LABEL_JOB, RUNTIME_MOUNT, SOCKET_MOUNT, PodmanProvider
+from prorl_server.sandbox.podman.container_spec import IMAGE_MOUNT, writable_paths
 from tests.conftest import instance_id, job_containers, podman_options, small_spec
 from tests.fakes.scripted_llm import ScriptedReply, tool_call_text
 from tests.helpers import ServeProcess, math_request
@@ -113,20 +114,47 @@ async def test_secrets_never_reach_the_logs(scripted_llm, podman_url) -> None:
         assert secret not in log  # ...and no secret is in it
 
 
-async def test_sandboxes_mount_nothing_of_the_host_but_the_runtime(provider: PodmanProvider, podman_url) -> None:
-    sandbox = await provider.create(small_spec(labels={LABEL_JOB: "mounts"}))
+async def _mounts(provider: PodmanProvider, podman_url: str) -> list[dict[str, Any]]:
+    """The Podman-inspected mounts of a new sandbox of `provider`'s (removed again)."""
+    job = uuid.uuid4().hex[:8]
+    sandbox = await provider.create(small_spec(labels={LABEL_JOB: job}))
     try:
-        (container,) = job_containers(podman_url, "mounts")
+        (container,) = job_containers(podman_url, job)
         with PodmanClient(base_url=podman_url) as podman:
-            mounts = podman.containers.get(container.id).inspect()["Mounts"]
-        binds = {m["Destination"]: m for m in mounts if m["Type"] == "bind"}
-        assert set(binds) == {RUNTIME_MOUNT, SOCKET_MOUNT}
-        assert not binds[RUNTIME_MOUNT]["RW"]
-        state_dir = str(podman_options("x").state_dir)
-        assert all(m["Source"].startswith(state_dir) for m in binds.values())
-        assert {m["Destination"] for m in mounts} <= {RUNTIME_MOUNT, SOCKET_MOUNT, "/tmp"}
+            mounts: list[dict[str, Any]] = podman.containers.get(container.id).inspect()["Mounts"]
+        return mounts
     finally:
         await sandbox.close()
+
+
+def _assert_host_binds(mounts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    binds = {m["Destination"]: m for m in mounts if m["Type"] == "bind" and m["Destination"] != IMAGE_MOUNT}
+    assert set(binds) == {RUNTIME_MOUNT, SOCKET_MOUNT}
+    assert not binds[RUNTIME_MOUNT]["RW"]
+    state_dir = str(podman_options("x").state_dir)
+    assert all(m["Source"].startswith(state_dir) for m in binds.values())
+    return binds
+
+
+async def test_sandboxes_mount_nothing_of_the_host_but_the_runtime(provider: PodmanProvider, podman_url) -> None:
+    mounts = await _mounts(provider, podman_url)
+    _assert_host_binds(mounts)
+    assert {m["Destination"] for m in mounts} <= {RUNTIME_MOUNT, SOCKET_MOUNT, "/tmp"}
+
+
+async def test_reusable_sandboxes_mount_nothing_of_the_host_but_the_runtime(
+    reusable_provider: PodmanProvider, podman_url
+) -> None:
+    mounts = await _mounts(reusable_provider, podman_url)
+    binds = _assert_host_binds(mounts)
+    # The sandbox's own image, read-only (what a reset restores the writable paths from).
+    # (Podman lists it twice: as the image, and as the overlay of it that it mounts.)
+    image = [m for m in mounts if m["Destination"] == IMAGE_MOUNT]
+    assert {m["Type"] for m in image} == {"image", "bind"} and not image[0]["RW"], image
+    # Besides: the writable paths, each a tmpfs filled from the image.
+    others = {m["Destination"]: m for m in mounts if m["Destination"] not in {*binds, IMAGE_MOUNT}}
+    assert set(others) <= set(writable_paths(podman_options("x", reusable=True))), others
+    assert all(m["Type"] == "tmpfs" for m in others.values()), others
 
 
 async def test_file_tools_cannot_reach_host_paths(provider: PodmanProvider, tmp_path: Path) -> None:

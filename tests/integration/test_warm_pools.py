@@ -1,4 +1,6 @@
-"""Warm pools: ready sandboxes per spec, refilled in the background, never reused."""
+"""Warm pools: ready sandboxes per spec, refilled in the background; without sandbox.reuse
+never reused, with it reset and handed to the next job (tests/adversarial/test_sandbox_reuse.py
+tries to leave something behind)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ async def test_acquire_takes_a_warm_sandbox_and_the_pool_refills(provider) -> No
     pools.start()
     try:
         await assert_eventually(lambda: pools.stats()[0].warm == 2, message="pool never filled")
-        warm_ids = {sandbox.id for sandbox in pools._pools[spec.pool_key].ready}
+        warm_ids = {sandbox.id for sandbox, _ in pools._pools[spec.pool_key].ready}
 
         first = await pools.acquire(small_spec())
         assert first.id in warm_ids
@@ -124,3 +126,35 @@ async def test_max_sandboxes_caps_containers_until_their_removal_is_done(podman_
     finally:
         await provider.close()
     assert not server_containers(podman_url, instance)
+
+
+async def test_with_reuse_jobs_one_after_another_share_a_container_and_see_nothing_of_each_other(
+    scripted_llm, start_server
+) -> None:
+    """Through a live server: each job looks for what the previous one left, then leaves its own."""
+
+    def script(messages: list[dict[str, Any]]) -> ScriptedReply:
+        if turn_index(messages) == 0:
+            command = (
+                "n=$(ls -A /workspace | wc -l); [ -e ~/.leftover ] && n=$((n + 1)); echo $n; hostname; "
+                "echo x > /workspace/left; touch ~/.leftover"
+            )
+            return ScriptedReply(tool_call_text("bash", {"command": command}))
+        return ScriptedReply(tool_call_text("finish", {"answer": "42"}))
+
+    llm = await scripted_llm(script)
+    server, client = await start_server(llm.base_url, sandbox={"reuse": {"enabled": True}})
+    pools = server._sandboxes
+    assert pools is not None
+    hosts = []
+    for index in range(3):
+        events = [e async for e in client.rollout(math_request("What is 6 * 7?", job_id=f"reused-{index}"))]
+        assert events[-1].finished.result.reward == 1.0
+        tool = next(e.tool_result for e in events if e.HasField("tool_result"))
+        count, host = tool.output.split()[:2]
+        assert count == "0", tool.output  # nothing of the job before
+        hosts.append(host)
+    assert len(set(hosts)) == 1  # one container served all three
+    # The third job's sandbox is reset after its job ended too (the pool's own time: a loaded machine).
+    await assert_eventually(lambda: pools.stats()[0].reused == 3 and not pools.stats()[0].resetting, timeout_s=300)
+    assert pools.stats()[0].retired == 0

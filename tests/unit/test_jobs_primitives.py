@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 from prorl_client import v1
 from prorl_server.jobs.event_log import EventLog
@@ -67,6 +68,25 @@ async def test_event_log_replays_then_follows_until_closed() -> None:
     await asyncio.wait_for(task, 30)
     assert seen == [2, 3]
     assert [e.job_id for e in log.events()] == ["j"] * 3
+
+
+async def test_a_follower_sees_what_came_while_it_was_suspended_in_a_yield() -> None:
+    """The last events and the close landing while the reader holds the one before (a gRPC
+    write pending; a job whose sandbox goes back to a reuse pool ends that fast): the
+    follower must still read them and end, not wait for a change that already happened."""
+    log = EventLog("j")
+    log.append(queued=v1.JobQueued())
+    events = log.follow()
+    first = await anext(events)  # the generator is now suspended in its yield
+    log.append(phase_started=v1.PhaseStarted(phase=v1.PHASE_RUN))
+    log.append(finished=v1.JobFinished())
+    log.close()
+    rest = await asyncio.wait_for(_drain(events), 30)
+    assert [first.seq, *(event.seq for event in rest)] == [1, 2, 3]
+
+
+async def _drain(events: AsyncIterator[v1.RolloutEvent]) -> list[v1.RolloutEvent]:
+    return [event async for event in events]
 
 
 def test_cap_output_keeps_head_and_tail_and_says_so() -> None:

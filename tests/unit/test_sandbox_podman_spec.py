@@ -7,12 +7,12 @@ from pathlib import Path
 
 from prorl_server.sandbox.base import LABEL_JOB, SandboxSpec
 from prorl_server.sandbox.podman import RUNTIME_MOUNT, SECCOMP_PROFILE, SOCKET_MOUNT, PodmanOptions
-from prorl_server.sandbox.podman.container_spec import container_kwargs
+from prorl_server.sandbox.podman.container_spec import IMAGE_MOUNT, container_kwargs, writable_mounts
 from prorl_server.sandbox.podman.staging import RuntimeStaging
 from prorl_server.sandbox.runtime import JUDGE_FILE, RUNTIME_FILE
 
 
-def options(state_dir: Path) -> PodmanOptions:
+def options(state_dir: Path, *, reusable: bool = False) -> PodmanOptions:
     return PodmanOptions(
         instance_id="unit",
         state_dir=state_dir,
@@ -24,6 +24,7 @@ def options(state_dir: Path) -> PodmanOptions:
         threads=1,
         runtime_start_timeout_s=5.0,
         cgroup_limits=False,
+        reusable=reusable,
     )
 
 
@@ -45,9 +46,28 @@ def test_a_runtime_container_is_locked_down_and_starts_the_runtime_as_its_init(t
         "--socket", f"{SOCKET_MOUNT}/rt.sock", "--workdir", "/workspace",
     ]  # fmt: skip
     mounts = {mount["target"]: mount for mount in kwargs["mounts"]}
-    assert mounts["/tmp"]["size"] == "64m"
+    # Without reuse the root is the container's own writable layer; /tmp a tmpfs; no image mount.
+    assert "read_only" not in kwargs and "image_volumes" not in kwargs
+    assert set(mounts) == {"/tmp", RUNTIME_MOUNT, SOCKET_MOUNT} and mounts["/tmp"]["size"] == "64m"
     assert mounts[RUNTIME_MOUNT]["read_only"] and mounts[RUNTIME_MOUNT]["source"] == str(tmp_path / "runtime")
     assert mounts[SOCKET_MOUNT]["source"] == str(tmp_path / "sockets" / "unit" / "c1")
+
+
+def test_a_reusable_runtime_container_has_a_read_only_root_and_tmpfs_writable_paths(tmp_path: Path) -> None:
+    staging = RuntimeStaging(tmp_path, "unit", sandbox_user="prorl", container_user="1000:1000")
+    reusable = options(tmp_path, reusable=True)
+    kwargs = container_kwargs(SPEC, name="c1", labels={LABEL_JOB: "j"}, runtime=True, options=reusable, staging=staging)
+    mounts = {mount["target"]: mount for mount in kwargs["mounts"]}
+    # Read-only root; the writable paths are tmpfs mounts in the API's own form, filled from the image.
+    assert kwargs["read_only"] and kwargs["image_volumes"] == [
+        {"source": SPEC.image, "destination": IMAGE_MOUNT, "rw": False}
+    ]
+    assert set(mounts) == {RUNTIME_MOUNT, SOCKET_MOUNT}
+    writable = {mount["destination"]: mount["options"] for mount in writable_mounts(SPEC, reusable)}
+    assert {"/tmp", "/workspace", "/testbed"} <= set(writable)
+    assert "size=64m" in writable["/tmp"] and "mode=1777" in writable["/tmp"] and "exec" in writable["/tmp"]
+    assert "U" in writable["/workspace"] and "mode=0755" in writable["/workspace"]
+    assert mounts[RUNTIME_MOUNT]["read_only"]
 
 
 def test_an_exec_container_only_sleeps_and_mounts_nothing_of_the_servers(tmp_path: Path) -> None:

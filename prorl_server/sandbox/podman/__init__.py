@@ -4,7 +4,8 @@
     options.py         PodmanOptions, its settings
     container_spec.py  the containers' create arguments: limits, seccomp, mounts, the runtime's command
     staging.py         what containers mount from the host: the runtime, the profile, socket folders
-    container.py       PodmanContainer, the handle a Sandbox is removed through
+    container.py       PodmanContainer, the handle a Sandbox is removed (or reset) through
+    reset_check.py     the host's proof that a reset left nothing of the previous job
     exec_runtime.py    ExecRuntime, `podman exec` for images without python3
 
 The labels are provider-neutral (sandbox/base.py); they are re-exported here

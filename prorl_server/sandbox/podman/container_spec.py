@@ -4,6 +4,13 @@ Every container runs with no network, no capabilities, `no_new_privileges`
 (setuid binaries gain nothing), the seccomp profile staged beside the runtime
 (staging.py), a tmpfs /tmp, and the spec's memory, cpu and pids limits.
 
+A reusable runtime container (PodmanOptions.reusable, i.e. sandbox.reuse.enabled)
+has a read-only root file system: it can write only to its writable paths
+(PodmanOptions.writable_paths, each a tmpfs filled from the image when the
+container starts), /dev/shm and /dev/mqueue. Its own image is
+mounted read-only at IMAGE_MOUNT as well, the copy a reset restores those
+paths from (sandbox/podman/reset_check.py, prorl_runtime.py `reset_runtime`).
+
 A runtime container starts the in-sandbox runtime (bind-mounted read-only) as
 its init, listening on a Unix socket in the per-sandbox folder the server
 made; an exec container (images without python3) only sleeps, and each call
@@ -22,6 +29,12 @@ from prorl_server.sandbox.runtime import RUNTIME_FILE
 
 RUNTIME_MOUNT = "/opt/prorl"
 SOCKET_MOUNT = "/run/prorl"
+IMAGE_MOUNT = "/opt/prorl-image"
+"""The sandbox's image, read-only: what a reset restores the writable paths from."""
+NOT_RESET = frozenset({SOCKET_MOUNT, RUNTIME_MOUNT, IMAGE_MOUNT})
+"""Mounts a reset leaves alone: the socket folder is checked on the host, the others are read-only."""
+WORLD_WRITABLE = frozenset({"/tmp", "/var/tmp"})
+"""Writable paths owned by root with mode 1777; the others belong to the container user."""
 # The sandbox user's process ceiling (containers.conf default_ulimits; the
 # rootless user cannot raise its hard limit beyond it).
 USER_NPROC_CEILING = 4096
@@ -80,10 +93,49 @@ def container_kwargs(
             f"{RUNTIME_MOUNT}/{RUNTIME_FILE.name}", "serve", "--init",
             "--socket", f"{SOCKET_MOUNT}/{SOCKET_NAME}", "--workdir", options.workdir,
         ]  # fmt: skip
-        kwargs["mounts"] += [
+        binds = [
             {"type": "bind", "source": str(staging.runtime_dir), "target": RUNTIME_MOUNT, "read_only": True},
             {"type": "bind", "source": str(staging.socket_dir(name)), "target": SOCKET_MOUNT},
         ]
+        if options.reusable:  # /tmp is among the writable paths (writable_mounts)
+            kwargs["mounts"] = binds
+            kwargs["read_only"] = True
+            kwargs["image_volumes"] = [{"source": spec.image, "destination": IMAGE_MOUNT, "rw": False}]
+        else:
+            kwargs["mounts"] += binds
     else:
         kwargs["command"] = ["sleep", "infinity"]
     return kwargs
+
+
+def writable_mounts(spec: SandboxSpec, options: PodmanOptions) -> list[dict[str, Any]]:
+    """The tmpfs mounts of a runtime container's writable paths, in the Podman API's form
+    (podman-py cannot say `exec` or the owner). Each is filled from the image (Podman's
+    tmpcopyup); its size is bounded by the container's memory limit, which tmpfs pages count
+    against."""
+    mounts = []
+    for path in writable_paths(options):
+        if path in WORLD_WRITABLE:
+            owner = ["mode=1777", f"size={options.tmp_mib}m"]
+        else:
+            owner = ["mode=0755", "U", f"size={spec.memory_mib}m"]  # U: owned by the container user
+        mounts.append(
+            {
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "destination": path,
+                "options": ["rw", "exec", "nosuid", "nodev", *owner],
+            }
+        )
+    return mounts
+
+
+def writable_paths(options: PodmanOptions) -> list[str]:
+    """The writable paths, /tmp and the workdir always among them, each once."""
+    paths = ["/tmp", options.workdir, *options.writable_paths]
+    return sorted({path.rstrip("/") or "/" for path in paths})
+
+
+def reset_mode(path: str) -> int:
+    """The mode a writable path's top gets back on reset (the one it was mounted with)."""
+    return 0o1777 if path in WORLD_WRITABLE else 0o755

@@ -31,3 +31,13 @@ class PodmanOptions:
     """Containers held at once, from creation until removal is done; 0: no limit."""
     allow_exec_fallback: bool = False
     """Serve images without python3 by `podman exec`; False: refuse them."""
+    reusable: bool = False
+    """Start runtime containers so that a reset can be proven (sandbox.reuse.enabled): a
+    read-only root, the writable paths on tmpfs filled from the image, the image mounted
+    read-only as the reset's source, a snapshot taken before the first job. False: the root
+    is the container's own writable layer (only /tmp a tmpfs) and no sandbox is reset."""
+    writable_paths: tuple[str, ...] = ("/tmp", "/var/tmp", "/home/agent", "/workspace", "/testbed")
+    """With `reusable`: where a runtime container may write (each a tmpfs filled from the
+    image; the root file system is read-only); /tmp and `workdir` always are."""
+    reset_timeout_s: float = 30.0
+    """The time a reset may take in the sandbox before it counts as failed."""

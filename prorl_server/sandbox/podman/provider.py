@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import time
 from collections.abc import Callable
@@ -29,14 +30,26 @@ from podman.errors import NotFound
 
 from prorl_server.errors import SandboxError
 from prorl_server.sandbox.base import LABEL_MANAGED, LABEL_SERVER, Sandbox, SandboxProvider, SandboxSpec
-from prorl_server.sandbox.blame import HostInspector, HostView
+from prorl_server.sandbox.blame import HostInspector, HostView, RuntimeState
 from prorl_server.sandbox.cgroups import CgroupV1Limiter
+from prorl_server.sandbox.podman import reset_check
 from prorl_server.sandbox.podman.container import PodmanContainer
-from prorl_server.sandbox.podman.container_spec import COMMAND_NOT_FOUND, RUNTIME_MARKER, container_kwargs
+from prorl_server.sandbox.podman.container_spec import (
+    COMMAND_NOT_FOUND,
+    IMAGE_MOUNT,
+    NOT_RESET,
+    RUNTIME_MARKER,
+    container_kwargs,
+    reset_mode,
+    writable_mounts,
+    writable_paths,
+)
 from prorl_server.sandbox.podman.exec_runtime import Confinement, ExecRuntime
 from prorl_server.sandbox.podman.options import PodmanOptions
-from prorl_server.sandbox.podman.staging import RuntimeStaging
+from prorl_server.sandbox.podman.staging import SOCKET_NAME, RuntimeStaging
+from prorl_server.sandbox.runtime.abstract import SandboxRuntime
 from prorl_server.sandbox.runtime.client import RuntimeClient
+from prorl_server.sandbox.runtime.protocol import ResetPath, ResetRequest
 from prorl_server.sandbox.runtime.socket_runtime import SocketRuntime
 
 log = structlog.get_logger(__name__)
@@ -149,7 +162,10 @@ class PodmanProvider(SandboxProvider):
         def create_and_start() -> Any:
             if runtime:
                 self._staging.make_socket_dir(name)
-            container = self.client.containers.create(spec.image, **kwargs)
+            reusable = runtime and self._options.reusable
+            container = self._create_runtime_container(spec, kwargs) if reusable else None
+            if container is None:
+                container = self.client.containers.create(spec.image, **kwargs)
             try:
                 container.start()
                 container.reload()
@@ -191,6 +207,18 @@ class PodmanProvider(SandboxProvider):
                 ) from exc
             raise SandboxError(f"could not start a sandbox from {spec.image!r}: {message}") from exc
 
+    def _create_runtime_container(self, spec: SandboxSpec, kwargs: dict[str, Any]) -> Any:
+        """Create through the Podman API itself: podman-py cannot express a tmpfs that keeps
+        `exec` and an owner, nor leave out Podman's own read-only tmpfs paths. Blocking."""
+        payload = self.client.containers._render_payload({"image": spec.image, **kwargs})
+        payload["mounts"] += writable_mounts(spec, self._options)
+        payload["read_only_tmpfs"] = False
+        response = self.client.api.post(
+            "/containers/create", headers={"content-type": "application/json"}, data=json.dumps(payload)
+        )
+        response.raise_for_status()
+        return self.client.containers.get(response.json()["Id"])
+
     async def _runtime_sandbox(self, container: Any, handle: PodmanContainer, init_pid: int) -> Sandbox | None:
         """The sandbox served by its in-sandbox runtime, once it answers; None (and the container
         removed) when the image cannot run it."""
@@ -215,7 +243,55 @@ class PodmanProvider(SandboxProvider):
             log.warning("sandbox_processes_not_visible", container=name, pid=init_pid)
         inspector = HostInspector(view, handle, run_in_thread=self.call)
         socket_runtime = SocketRuntime(client, max_output_bytes=self._options.max_output_bytes, inspector=inspector)
+        if view is not None and self._options.reusable:
+            try:  # the new container as a reset must leave it: taken before any job ran in it
+                if await self.call(lambda: reset_check.read_only(init_pid, IMAGE_MOUNT)):
+                    handle.pristine = await self.call(lambda: reset_check.snapshot(init_pid, skip=NOT_RESET))
+                    handle.view = view
+                else:  # a job could change what resets restore from: never reused
+                    log.warning("sandbox_image_mount_writable", container=name)
+            except OSError as exc:  # not readable from here: it is never reused
+                log.warning("sandbox_not_inspectable", container=name, error=str(exc))
+            except BaseException:
+                await client.close()
+                await self.remove(name)
+                raise
         return Sandbox(socket_runtime, handle)
+
+    async def reset(self, handle: PodmanContainer, runtime: SandboxRuntime) -> list[str]:
+        """Reset the sandbox for another job and prove it from the host (reset_check.py):
+        the problems found, [] when it is as new."""
+        if handle.pristine is None or handle.view is None:
+            return ["the sandbox was not started reusable or cannot be inspected from the host"]
+        view, pristine = handle.view, handle.pristine
+        paths = [ResetPath(path, f"{IMAGE_MOUNT}{path}", reset_mode(path)) for path in writable_paths(self._options)]
+        paths += [ResetPath(path, None, 0o1777) for path in ("/dev/shm", "/dev/mqueue")]
+        reply = await runtime.reset(ResetRequest(tuple(paths), self._options.reset_timeout_s))
+        problems = [f"process left: {pid}" for pid in reply.processes]
+        problems += [f"IPC object left: {item}" for item in reply.ipc]
+        problems += [f"key left: {item}" for item in reply.keys]
+        problems += [f"{path} not restored: {why}" for path, why in reply.failed.items()]
+        if problems:
+            return problems
+
+        def inspect() -> list[str]:
+            found = [f"process left: {item}" for item in reset_check.stray_processes(view)]
+            if view.runtime_state() is not RuntimeState.RUNNING:
+                found.append("the runtime is not running")
+            if found:  # with a process left, the file systems could still change
+                return found
+            found += [f"socket left: {line}" for line in reset_check.inet_sockets(view.runtime.pid)]
+            found += reset_check.differences(pristine, reset_check.snapshot(view.init.pid, skip=NOT_RESET))
+            reset_check.clear_socket_dir(self._staging.socket_dir(handle.name), SOCKET_NAME)
+            extras = reset_check.socket_dir_extras(self._staging.socket_dir(handle.name), SOCKET_NAME)
+            return found + [f"socket folder: {item}" for item in extras]
+
+        problems = await self.call(inspect)
+        ipc = await reset_check.sysv_ipc(view.init.pid)
+        if ipc is None:
+            problems.append("the sandbox's SysV IPC objects cannot be seen from the host")
+        problems += [f"IPC object left: {line}" for line in ipc or []]
+        return problems
 
     async def _connect_runtime(self, name: str, container: Any) -> RuntimeClient | None:
         """Wait for the runtime's socket; None when the image cannot run it."""

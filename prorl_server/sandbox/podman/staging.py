@@ -20,7 +20,9 @@ from prorl_server.sandbox.runtime import JUDGE_FILE, RUNTIME_FILE
 SECCOMP_PROFILE = Path(__file__).parent.parent / "seccomp.json"
 """Podman's default profile, except that no user namespace can be created inside
 (unshare/clone with CLONE_NEWUSER fail with EPERM, clone3 with ENOSYS so that libc
-falls back to clone)."""
+falls back to clone), and no kernel key can be touched (keyctl fails with ENOSYS, as add_key
+and request_key do in Podman's profile too): a user's keyrings are shared by every sandbox of
+the same uid and outlive them, a channel between jobs no reset could close."""
 SOCKET_NAME = "rt.sock"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 from typing import ClassVar, Literal
 
+from prorl_server.errors import SandboxError
 from prorl_server.sandbox.runtime.protocol import (
     BashRequest,
     BashResponse,
@@ -27,6 +28,8 @@ from prorl_server.sandbox.runtime.protocol import (
     PythonResponse,
     ReadFileRequest,
     ReadFileResponse,
+    ResetRequest,
+    ResetResponse,
     WriteFileRequest,
     WriteFileResponse,
 )
@@ -69,6 +72,11 @@ class SandboxRuntime(abc.ABC):
 
     @abc.abstractmethod
     async def judge(self, request: JudgeRequest) -> JudgeResponse: ...
+
+    async def reset(self, request: ResetRequest) -> ResetResponse:
+        """Make the sandbox fit for another job (see ResetRequest). Runtimes that cannot
+        raise SandboxError(reason="reset_unsupported"): their sandboxes are never reused."""
+        raise SandboxError(f"a {self.mode} runtime cannot reset its sandbox", reason="reset_unsupported")
 
     @abc.abstractmethod
     async def open_gateway(self, handler: GatewayHandler, *, port: int = 0) -> GatewayHandle:

@@ -34,6 +34,7 @@ import os
 import pty
 import re
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -904,6 +905,257 @@ def run_judge(mode, spec, timeout, cap):
     }
 
 
+# --- reset between jobs ---------------------------------------------------------------
+#
+# `reset` makes a used sandbox fit for the next job without a new container. It
+# runs in this (trusted) process: every other process but the container's init is
+# killed first, so nothing the previous job started can undo what follows; then
+# its IPC objects, keyrings and POSIX message queues are removed, and each writable
+# path the server names is emptied and refilled from the image's read-only copy
+# ("lower"), its mode and extended attributes restored. The shell, the Python
+# worker and the editor start afresh, so environment, cwd, names and undo history
+# are the new job's. The answer reports what is left; the server checks the rest
+# from outside (sandbox/podman/reset_check.py) and retires a sandbox it cannot
+# prove clean.
+
+SYSVIPC = {"msg": "msgctl", "sem": "semctl", "shm": "shmctl"}
+IPC_RMID = 0
+KEYCTL_CLEAR = 7
+KEY_SPEC_USER_KEYRING = -4
+KEY_SPEC_USER_SESSION_KEYRING = -5
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "ppc64le": 311, "s390x": 280}
+
+
+def _other_pids():
+    """Pids in this PID namespace other than init (1) and this process, with their state."""
+    me = os.getpid()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in (1, me):
+            try:
+                with open("/proc/%s/stat" % entry) as handle:
+                    found[int(entry)] = handle.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                pass  # gone meanwhile
+    return found
+
+
+def _reap_children():
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _descendants():
+    """Pids of this process's descendants (by /proc parent links), with their state."""
+    parents, states = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open("/proc/%s/stat" % entry) as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            parents.setdefault(int(fields[1]), []).append(int(entry))
+            states[int(entry)] = fields[0]
+    found, todo = {}, [os.getpid()]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found[child] = states[child]
+                todo.append(child)
+    return found
+
+
+def reset_kill_all(deadline, in_own_namespace=True):
+    """SIGKILL every process but init and this one (kill(-1) spares exactly those, and
+    reaches nested PID namespaces too) until none is left; forks racing the kill are
+    caught by the next round. Outside a sandbox's own namespace (`in_own_namespace`
+    False: a child subreaper on a test host) only this process's descendants are
+    killed. Returns the pids still there at the deadline."""
+    while True:
+        if in_own_namespace:
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass  # ESRCH: nothing left to signal
+        else:
+            for pid in _descendants():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        _reap_children()
+        left = _other_pids() if in_own_namespace else _descendants()
+        if not left or time.monotonic() > deadline:
+            return sorted(left)
+        time.sleep(0.002 if all(state == "Z" for state in left.values()) else 0.0005)
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def reset_sysv_ipc():
+    """Remove every SysV message queue, semaphore set and shared memory segment of this
+    IPC namespace; returns those that remain, as "kind:id"."""
+    libc = _libc()
+    left = []
+    for kind, call in sorted(SYSVIPC.items()):
+        for ident in _sysv_ids(kind):
+            if kind == "sem":
+                libc.semctl(ident, 0, IPC_RMID)
+            else:
+                getattr(libc, call)(ident, IPC_RMID, None)
+        left += ["%s:%d" % (kind, ident) for ident in _sysv_ids(kind)]
+    return left
+
+
+def _sysv_ids(kind):
+    try:
+        with open("/proc/sysvipc/%s" % kind) as handle:
+            lines = handle.read().splitlines()[1:]
+    except OSError:
+        return []
+    return [int(line.split()[1]) for line in lines if line.split()]
+
+
+def reset_keyrings():
+    """Clear the user's keyrings (shared by every process of the uid); returns the keys
+    still visible in /proc/keys other than those two, now empty."""
+    number = SYS_KEYCTL.get(os.uname().machine)
+    if number is not None:
+        libc = _libc()
+        for keyring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING):
+            libc.syscall(number, KEYCTL_CLEAR, keyring)
+    try:
+        with open("/proc/keys") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return []
+    return [line for line in lines if not re.search(r" _uid(_ses)?\.\d+: empty$", line)]
+
+
+def _make_removable(top):
+    """Give the owner write and search rights on every directory below `top` (the job may
+    have taken them away), so that its entries can be deleted."""
+    for root, dirs, _ in os.walk(top):
+        for name in dirs:
+            path = os.path.join(root, name)
+            try:
+                if not os.path.islink(path):
+                    os.chmod(path, 0o700)
+            except OSError:
+                pass
+
+
+def _clear_xattrs(path):
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.removexattr(path, name, follow_symlinks=False)
+        except OSError:
+            pass
+
+
+def reset_tree(path, lower, mode):
+    """Empty the mount `path` and refill it from `lower` (None: leave it empty), then give
+    its top the mode `mode` and no extended attributes. Raises OSError when it cannot."""
+    owned = os.lstat(path).st_uid == os.geteuid()  # a top owned by root: the job could not change it either
+    if owned:
+        os.chmod(path, 0o700)
+        _clear_xattrs(path)
+    _make_removable(path)
+    for name in os.listdir(path):
+        entry = os.path.join(path, name)
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            shutil.rmtree(entry)
+        else:
+            os.unlink(entry)
+    if lower is not None and os.path.isdir(lower):
+        for name in os.listdir(lower):
+            source, target = os.path.join(lower, name), os.path.join(path, name)
+            if os.path.isdir(source) and not os.path.islink(source):
+                shutil.copytree(source, target, symlinks=True)
+            else:
+                shutil.copy2(source, target, follow_symlinks=False)
+    if owned:
+        os.chmod(path, mode)
+
+
+def _serving_under_own_init():
+    """Whether this process is the runtime forked by `serve --init` as its PID namespace's
+    init: kill(-1) anywhere else would reach far more than one sandbox."""
+    try:
+        with open("/proc/1/cmdline", "rb") as handle:
+            init = handle.read().split(b"\0")
+    except OSError:
+        return False
+    return (
+        os.getppid() == 1
+        and b"serve" in init
+        and b"--init" in init
+        and any(part.endswith(os.path.basename(__file__).encode()) for part in init)
+    )
+
+
+def _is_subreaper():
+    """PR_GET_CHILD_SUBREAPER: every descendant stays in this process's tree."""
+    import ctypes
+
+    value = ctypes.c_int(0)
+    return _libc().prctl(37, ctypes.byref(value), 0, 0, 0) == 0 and value.value == 1
+
+
+def reset_runtime(runtime, request):
+    """The `reset` op (see the section's comment). Request: "paths", a list of
+    {"path", "lower" (or null), "mode"}; "timeout_s". Answer: "processes" (pids left),
+    "ipc" (SysV objects left), "keys" (keys left), "failed" ({path: error})."""
+    own = _serving_under_own_init()
+    if not own and not _is_subreaper():
+        raise RuntimeError("reset runs only in a sandbox whose init is this runtime (serve --init)")
+    deadline = time.monotonic() + float(request.get("timeout_s") or 30.0)
+    left = reset_kill_all(deadline, own)  # ends any call still running, so its lock comes free
+    scratch = [runtime.bash.scratch, runtime.python.scratch]
+    with runtime.bash.lock, runtime.python.lock:
+        runtime.bash.close()
+        runtime.python._kill()
+        left = reset_kill_all(deadline, own)
+        bash, python = BashSession(runtime.workdir), PythonSession(runtime.workdir)
+        for session, path in zip((bash, python), scratch):
+            os.rmdir(session.scratch)
+            session.scratch = path
+        runtime.bash, runtime.python, runtime.editor = bash, python, Editor(runtime.workdir)
+    failed = {}
+    if not left:  # with a process left, nothing below could be trusted to stay done
+        for item in request.get("paths") or []:
+            try:
+                reset_tree(item["path"], item.get("lower"), int(item["mode"]))
+            except (OSError, shutil.Error) as exc:
+                failed[item["path"]] = "%s: %s" % (type(exc).__name__, exc)
+        for path in scratch:
+            try:
+                os.mkdir(path, 0o700)
+            except OSError as exc:
+                failed[path] = "%s: %s" % (type(exc).__name__, exc)
+    # IPC objects and keys are the namespace's, or on a test host everyone's: left alone there.
+    return {
+        "processes": left,
+        "ipc": reset_sysv_ipc() if own else [],
+        "keys": reset_keyrings() if own else [],
+        "failed": failed,
+    }
+
+
 class Runtime:
     def __init__(self, workdir):
         self.workdir = workdir
@@ -945,6 +1197,8 @@ class Runtime:
             if request.get("mode") is not None:
                 os.chmod(path, int(request["mode"]))
             return {"path": path}
+        if op == "reset":
+            return reset_runtime(self, request)
         if op == "judge":
             return run_judge(request["mode"], request.get("spec") or {}, timeout, cap)
         if op == "list_dir":

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-Op = Literal["bash", "python", "edit", "read_file", "write_file", "list_dir", "health", "judge"]
+Op = Literal["bash", "python", "edit", "read_file", "write_file", "list_dir", "health", "judge", "reset"]
 
 
 # --- results the agents see --------------------------------------------------------------
@@ -143,6 +143,29 @@ class JudgeRequest:
     """The harness is killed with everything it started after this."""
 
 
+@dataclass(frozen=True)
+class ResetPath:
+    """One writable path a reset empties and refills."""
+
+    path: str
+    """A mount point in the sandbox (a tmpfs)."""
+    lower: str | None
+    """The image's read-only copy of its content; None: it is left empty."""
+    mode: int
+    """The permission bits (and sticky bit) its top gets back."""
+
+
+@dataclass(frozen=True)
+class ResetRequest:
+    """End every process but the sandbox's init and runtime, remove IPC objects and keys,
+    restore `paths`, start the shell, Python and the editor afresh (prorl_runtime.py
+    `reset_runtime`)."""
+
+    op: ClassVar[Op] = "reset"
+    paths: tuple[ResetPath, ...]
+    timeout_s: float
+
+
 # --- responses ---------------------------------------------------------------------------
 
 
@@ -215,3 +238,22 @@ class JudgeResponse:
     verdict_truncated: bool = False
     truncated: bool = False
     duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ResetResponse:
+    """What the runtime reports left after a reset: all empty when it did its part. The
+    server does not take its word alone (sandbox/podman/reset_check.py)."""
+
+    processes: list[int] = field(default_factory=list)
+    """Pids other than init and the runtime still there."""
+    ipc: list[str] = field(default_factory=list)
+    """SysV IPC objects still there ("msg:3")."""
+    keys: list[str] = field(default_factory=list)
+    """Lines of /proc/keys other than the user's empty keyrings."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Paths it could not restore, with why."""
+
+    @property
+    def clean(self) -> bool:
+        return not (self.processes or self.ipc or self.keys or self.failed)

@@ -40,6 +40,8 @@ from prorl_server.sandbox.runtime.protocol import (
     PythonResponse,
     ReadFileRequest,
     ReadFileResponse,
+    ResetRequest,
+    ResetResponse,
     WriteFileRequest,
     WriteFileResponse,
 )
@@ -137,6 +139,16 @@ class SocketRuntime(SandboxRuntime):
             verdict_truncated=bool(reply.get("verdict_truncated")),
             truncated=bool(reply.get("truncated")),
             duration_s=float(reply.get("duration_s") or 0.0),
+        )
+
+    async def reset(self, request: ResetRequest) -> ResetResponse:
+        paths = [{"path": item.path, "lower": item.lower, "mode": item.mode} for item in request.paths]
+        reply = await self._call(request.op, request.timeout_s, {"paths": paths})
+        return ResetResponse(
+            processes=[int(pid) for pid in reply.get("processes") or []],
+            ipc=[str(item) for item in reply.get("ipc") or []],
+            keys=[str(item) for item in reply.get("keys") or []],
+            failed={str(path): str(why) for path, why in (reply.get("failed") or {}).items()},
         )
 
     async def open_gateway(self, handler: GatewayHandler, *, port: int = 0) -> GatewayHandle:
