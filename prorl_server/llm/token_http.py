@@ -182,23 +182,28 @@ class VLLMBackend(HTTPTokenBackend):
         previous = self._weights_path or await self._served_path()
         await self._control("/pause", mode="wait")
         try:
+            await self._reload(model_path)
+        except InvalidArgument as exc:
             try:
-                await self._reload(model_path)
-            except InvalidArgument as exc:
-                try:
-                    await self._reload(previous)
-                except ProrlError as again:
-                    raise Unavailable(
-                        f"vLLM backend {self.info.id!r} did not load {model_path!r} ({exc.message}) and could not "
-                        f"load its previous weights {previous!r} back ({again.message}): restart it"
-                    ) from None
-                raise InvalidArgument(
-                    f"vLLM backend {self.info.id!r} did not load {model_path!r}: {exc.message}; "
-                    f"it serves its previous weights {previous!r} again"
+                await self._reload(previous)
+            except ProrlError as again:
+                # Its layers may be half reset: left paused, vLLM runs no forward pass on them
+                # (one crashed the engine here), whoever else sends it requests.
+                raise Unavailable(
+                    f"vLLM backend {self.info.id!r} did not load {model_path!r} ({exc.message}) and could not "
+                    f"load its previous weights {previous!r} back ({again.message}): it is left paused; "
+                    "load weights into it yourself and POST /resume, or restart it"
                 ) from None
-            self._weights_path = model_path
-        finally:
             await self._control("/resume")
+            raise InvalidArgument(
+                f"vLLM backend {self.info.id!r} did not load {model_path!r}: {exc.message}; "
+                f"it serves its previous weights {previous!r} again"
+            ) from None
+        except BaseException:
+            await self._control("/resume")  # e.g. vLLM unreachable or cancelled: nothing was reset
+            raise
+        self._weights_path = model_path
+        await self._control("/resume")
 
     async def _reload(self, model_path: str) -> None:
         await self._control("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_path}})

@@ -20,7 +20,7 @@ from prorl_client.bridges.verl import agent_loop_output
 from prorl_client import Client, v1
 from prorl_server.app import ProrlServer
 from prorl_server.config import load_settings
-from prorl_server.errors import InvalidArgument
+from prorl_server.errors import InvalidArgument, Unavailable
 from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.base import Sampling
 from prorl_server.llm.factory import build_backend
@@ -121,6 +121,23 @@ async def test_a_checkpoint_vllm_cannot_load_is_refused_and_the_previous_one_loa
             await fresh.load_weights("/ckpt/missing-3")
         await fresh.close()
         assert fake.weights == fake.root
+    finally:
+        await backend.close()
+
+
+async def test_when_the_previous_checkpoint_cannot_be_loaded_back_vllm_is_left_paused(
+    fake: FakeVLLM, tokenizer_folder: Path
+) -> None:
+    """Its layers may be half reset (vLLM's reload is not transactional): a forward pass on them
+    crashed the engine, so vLLM must not be resumed, and the error says what to do."""
+    backend = backend_for(fake, tokenizer_folder)
+    backend._weights_path = "/ckpt/missing-old"  # the checkpoint it served was deleted since
+    try:
+        with pytest.raises(Unavailable) as raised:
+            await backend.load_weights("/ckpt/missing-new")
+        assert "missing-new" in raised.value.message and "missing-old" in raised.value.message
+        assert "left paused" in raised.value.message
+        assert fake.paused and "/resume" not in fake.control
     finally:
         await backend.close()
 
