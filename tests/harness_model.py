@@ -64,7 +64,17 @@ def _pick(schema: dict[str, Any], *words: str) -> str:
 
 
 def arguments(harness: Harness, tools: dict[str, dict[str, Any]], call: Call) -> tuple[str, dict[str, Any]]:
-    """The tool name and arguments of one planned call, in the harness's own parameter names."""
+    """The tool name and arguments of one planned call, in the harness's own parameter names; any other
+    required text parameter (Gemini CLI's `instruction`, a `description`) gets a line saying what the call does."""
+    name, args = _arguments(harness, tools, call)
+    schema = tools[name]
+    for required in schema.get("required") or []:
+        if required not in args and (schema.get("properties") or {}).get(required, {}).get("type") == "string":
+            args[required] = f"{call[0]} as planned"
+    return name, args
+
+
+def _arguments(harness: Harness, tools: dict[str, dict[str, Any]], call: Call) -> tuple[str, dict[str, Any]]:
     kind, value = call
     if kind in ("shell", "patch"):
         schema = tools[harness.shell]

@@ -55,6 +55,13 @@ HARNESSES = {
             read=None,
             edit=None,
         ),
+        Harness(
+            "gemini-cli",
+            ["gemini", "-p", "$PRORL_TASK", "--yolo"],
+            shell="run_shell_command",
+            read="read_file",
+            edit="replace",
+        ),
         Harness("opencode", ["opencode", "run", "$PRORL_TASK"], shell="bash", read="read", edit="edit"),
         Harness(
             "qwen-code",
