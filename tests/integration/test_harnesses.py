@@ -99,7 +99,7 @@ async def serve(start_server: Any, vllm: FakeVLLM, folder: Path) -> Any:
     _, client = await start_server(
         None,
         llm={"backends": [backend], "embedded": {"enabled": "never"}},
-        sandbox={"allowed_images": [IMAGE, "localhost/prorl-harnesses-swe-*:latest"], "tmp_mib": 256},
+        sandbox={"default_image": IMAGE, "allowed_images": [IMAGE, "localhost/prorl-harnesses-swe-*:latest"], "tmp_mib": 256},
     )
     return client
 
