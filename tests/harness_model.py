@@ -114,10 +114,11 @@ def script(harness: Harness, plan: list[Step], decode: Callable[[list[int]], str
 
 
 def shell_plan() -> list[Step]:
-    """A shell call, then two at once (parallel calls), then the answer on its own last line."""
+    """A shell call, then two at once (parallel calls), then the answer on its own last line. No `$(...)`
+    or `$((...))`: Qwen Code refuses a command with one as an injection."""
     return [
         [("shell", "expr 6 \\* 7")],
-        [("shell", "echo one-$((1 + 1))"), ("shell", "echo two-$((2 + 2))")],
+        [("shell", "expr 111 + 222"), ("shell", "expr 444 + 555")],
         "The command printed it.\n42",
     ]
 
