@@ -175,7 +175,7 @@ def large_request() -> tuple[bytes, str]:
         }
         for index in range(24)
     ]
-    body = {
+    request = {
         "model": "prorl",
         "max_tokens": 32000,
         "system": [
@@ -187,7 +187,7 @@ def large_request() -> tuple[bytes, str]:
         "thinking": {"type": "adaptive"},
         "stream": False,
     }
-    return json.dumps(body).encode(), "made here, in Claude Code's shape"
+    return json.dumps(request).encode(), "made here, in Claude Code's shape"
 
 
 def line(label: str, samples: list[float]) -> str:

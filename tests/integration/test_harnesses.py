@@ -126,7 +126,8 @@ def request(harness: Harness, image: str, verifier: str, task: dict[str, Any], *
 
 async def run(client: Any, rollout: v1.RolloutRequest) -> v1.RolloutResult:
     events = [event async for event in client.rollout(rollout)]
-    return events[-1].finished.result
+    result: v1.RolloutResult = events[-1].finished.result
+    return result
 
 
 def decode(vllm: FakeVLLM, ids: list[int]) -> str:
@@ -203,4 +204,4 @@ async def test_each_harness_fixes_a_shipped_swe_task_with_its_own_edit_tool(
     result = await run(client, request(harness, SWE_IMAGE, "swe", task, cwd="/testbed"))
     assert result.status == v1.JOB_STATUS_SUCCEEDED, (result.failure, result.details)
     assert result.reward == 0.0 and result.details["verdict"] == "unresolved", result.details
-    assert "# not the fix" in result.details["patch"]
+    assert "# not the fix" in str(result.details["patch"])
