@@ -15,7 +15,7 @@ export PRORL_VLLM_VENV := $(VLLM_VENV)
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-demo setup-host setup-python images proto proto-check lint lint-proto test test-loaded test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-vllm bench-load bench-cluster bench-feed bench-verification bench-throughput
+.PHONY: setup setup-demo setup-host setup-python images images-harnesses test-harnesses proto proto-check lint lint-proto test test-loaded test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-vllm bench-load bench-cluster bench-feed bench-verification bench-throughput
 
 setup: setup-host setup-python images
 
@@ -31,6 +31,15 @@ $(VENV)/.installed: pyproject.toml prorl_client/pyproject.toml scripts/setup_pyt
 
 images:
 	bash scripts/build_images.sh
+
+# The coding-agent CLIs' image (sandbox_images/harnesses: Codex, Claude Code, Gemini CLI, OpenCode,
+# Qwen Code; about 1.4 GB of npm packages) and its SWE task images; not part of `setup`.
+images-harnesses:
+	PRORL_HARNESSES=1 bash scripts/build_images.sh
+
+# Each CLI end to end in a network-less sandbox, driven by a scripted model on the fake vLLM.
+test-harnesses: setup images-harnesses
+	$(PYTEST) -m harnesses -q --durations=10
 
 # Quick once done (a stamp in the venv; the model folder is made once).
 setup-vllm:
@@ -75,7 +84,7 @@ test-without-podman:
 # The integration layer: real rootless Podman sandboxes, scripted fake LLM; and the
 # PostgreSQL job store against a throwaway cluster of its own (tests/postgres.py).
 test-integration:
-	$(PYTEST) -m "(podman or postgres) and not e2e and not slow" -q
+	$(PYTEST) -m "(podman or postgres) and not e2e and not slow and not harnesses" -q
 
 # Against a real vLLM (CPU build, SmolLM2-135M): one server started for the run (tests/vllm.py).
 test-vllm: setup setup-vllm
@@ -88,7 +97,7 @@ test-e2e:
 # Everything CI runs: set-up, generated-code check, lint, the fast suite without
 # Podman, then every other test (with the slowest listed: how far they are from pytest's timeout).
 test-all: setup setup-vllm proto-check lint test-without-podman
-	$(PYTEST) -m "podman or e2e or slow or postgres or vllm" -q --durations=25
+	$(PYTEST) -m "(podman or e2e or slow or postgres or vllm) and not harnesses" -q --durations=25
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
 bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification bench-throughput

@@ -11,6 +11,12 @@ A small JSON POST (about 200 bytes each way) is timed by the same client code
 Each is run with one kept-alive connection and with a new connection per call. The
 relay's overhead is the gateway figure minus the direct one.
 
+Then the same for a large request, as coding-agent CLIs send (Claude Code: about 76 KB a
+call, its system prompt and 24 tools): direct and through the relay with that body, and
+an Anthropic Messages call of that body through the job's model gateway (the recorded
+Claude Code request under tests/data/harness_requests/ when there is one, else a
+request of the same shape and size made here; the output says which).
+
 Usage: python bench/gateway_relay.py [--provider fake|podman] [--calls N]
 (fake: the real runtime as a host process, tests/fakes/sandbox_provider.py; podman: a
 rootless container with network none, needs `make images`).
@@ -23,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -37,13 +44,19 @@ from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.sandbox.base import Sandbox, SandboxProvider
 from prorl_server.sandbox.runtime.relay import GatewayHandler, HttpRequest, HttpResponse
 
+BODY_IN_SANDBOX = "/tmp/prorl-bench-body.json"
 REPLY = json.dumps({"id": "r-1", "object": "echo", "choices": [{"index": 0, "text": "x" * 120}]}).encode()
 
 CLIENT = """
 import http.client, json, time
 def run(port, calls, warmup, keep_alive):
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * 120}]})
-    headers = {"Content-Type": "application/json", "Authorization": "Bearer k"}
+    if BODY_FILE:
+        with open(BODY_FILE, "rb") as file:
+            body = file.read()
+    else:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * 120}]})
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer k",
+               "x-api-key": "k", "anthropic-version": "2023-06-01"}
     samples = []
     connection = None
     for index in range(warmup + calls):
@@ -65,13 +78,13 @@ print(json.dumps({"keep": run(PORT, CALLS, WARMUP, True), "fresh": run(PORT, CAL
 """
 
 
-def client_code(port: int, calls: int, warmup: int, path: str = "/v1/echo") -> str:
-    return f"PORT = {port}\nCALLS = {calls}\nWARMUP = {warmup}\nPATH = {path!r}\n{CLIENT}"
+def client_code(port: int, calls: int, warmup: int, path: str = "/v1/echo", body_file: str | None = None) -> str:
+    return f"PORT = {port}\nCALLS = {calls}\nWARMUP = {warmup}\nPATH = {path!r}\nBODY_FILE = {body_file!r}\n{CLIENT}"
 
 
-async def on_host(port: int, calls: int, warmup: int) -> dict[str, list[float]]:
+async def on_host(port: int, calls: int, warmup: int, body_file: str | None = None) -> dict[str, list[float]]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", client_code(port, calls, warmup), stdout=asyncio.subprocess.PIPE
+        sys.executable, "-c", client_code(port, calls, warmup, body_file=body_file), stdout=asyncio.subprocess.PIPE
     )
     output, _ = await process.communicate()
     assert process.returncode == 0, output
@@ -80,9 +93,9 @@ async def on_host(port: int, calls: int, warmup: int) -> dict[str, list[float]]:
 
 
 async def in_sandbox(
-    sandbox: Sandbox, port: int, calls: int, warmup: int, path: str = "/v1/echo"
+    sandbox: Sandbox, port: int, calls: int, warmup: int, path: str = "/v1/echo", body_file: str | None = None
 ) -> dict[str, list[float]]:
-    result = await sandbox.python(client_code(port, calls, warmup, path), timeout_s=600)
+    result = await sandbox.python(client_code(port, calls, warmup, path, body_file), timeout_s=600)
     assert not result.is_error, result.output
     samples: dict[str, list[float]] = json.loads(result.output)
     return samples
@@ -134,6 +147,49 @@ def model_gateway() -> ModelGateway:
     return ModelGateway(chat, default_sampling=Sampling(max_tokens=64, temperature=1.0), api_key="k")
 
 
+RECORDED = Path(__file__).resolve().parent.parent / "tests" / "data" / "harness_requests"
+
+
+def large_request() -> tuple[bytes, str]:
+    """A Claude Code Messages request: the first recorded one over 50 KB, else one of its shape made here
+    (a system prompt in text blocks with cache_control, 24 tools with long descriptions and schemas,
+    one user message, thinking and a max_tokens as it sends them), about 76 KB."""
+    for path in sorted(RECORDED.glob("claude-code-*/*.json")):
+        recorded = json.loads(path.read_text())
+        body = json.dumps(recorded.get("body")).encode()
+        if str(recorded.get("path", "")).endswith("/messages") and len(body) > 50_000:
+            return body, f"recorded {path.relative_to(RECORDED.parent.parent.parent)}"
+    words = "Use this tool to run a command in the user's repository and read what it printed. " * 30
+    tools = [
+        {
+            "name": f"Tool{index}",
+            "description": words,
+            "input_schema": {
+                "type": "object",
+                "properties": {
+                    name: {"type": "string", "description": f"The {name} of the call, as the tool expects it."}
+                    for name in ("command", "description", "file_path", "old_string", "new_string", "pattern")
+                },
+                "required": ["command"],
+            },
+        }
+        for index in range(24)
+    ]
+    request = {
+        "model": "prorl",
+        "max_tokens": 32000,
+        "system": [
+            {"type": "text", "text": "You are a coding agent."},
+            {"type": "text", "text": words, "cache_control": {"type": "ephemeral"}},
+        ],
+        "tools": tools,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "What is 6 * 7?"}]}],
+        "thinking": {"type": "adaptive"},
+        "stream": False,
+    }
+    return json.dumps(request).encode(), "made here, in Claude Code's shape"
+
+
 def line(label: str, samples: list[float]) -> str:
     return (
         f"  {label:<34} p50 {percentile(samples, 50) * 1e3:7.3f} ms   p95 {percentile(samples, 95) * 1e3:7.3f} ms"
@@ -170,14 +226,40 @@ async def main(args: argparse.Namespace) -> None:
                     results[label] = await in_sandbox(sandbox, gateway.port, args.calls, args.warmup, path)
                 finally:
                     await gateway.close()
+            # The large request: the same body on the host and in the sandbox.
+            body, origin = large_request()
+            with tempfile.NamedTemporaryFile(suffix=".json") as host_file:
+                host_file.write(body)
+                host_file.flush()
+                large = {
+                    "direct (host -> aiohttp)": await on_host(upstream_port, args.calls, args.warmup, host_file.name)
+                }
+            await sandbox.write_file(BODY_IN_SANDBOX, body)
+            large_cases: list[tuple[str, GatewayHandler, str]] = [
+                ("gateway (handler in-process)", local, "/v1/echo"),
+                ("model gateway, Anthropic messages", model_gateway(), "/v1/messages"),
+            ]
+            for label, handler, path in large_cases:
+                gateway = await sandbox.open_gateway(handler)
+                try:
+                    large[label] = await in_sandbox(
+                        sandbox, gateway.port, args.calls, args.warmup, path, BODY_IN_SANDBOX
+                    )
+                finally:
+                    await gateway.close()
         finally:
             await sandbox.close()
     print(
         f"gateway relay, provider={args.provider}, {args.calls} calls each (+{args.warmup} warm-up); "
         f"the gateway listened on {', '.join(hosts)}"
     )
+    report(results, "a small request (about 200 bytes)")
+    report(large, f"a large request ({len(body) / 1000:.1f} KB, {origin})")
+
+
+def report(results: dict[str, dict[str, list[float]]], what: str) -> None:
     for mode, title in (("keep", "one kept-alive connection"), ("fresh", "a new connection per call")):
-        print(f"{title}:")
+        print(f"{what}, {title}:")
         for label, samples in results.items():
             print(line(label, samples[mode]))
         direct, relayed = results["direct (host -> aiohttp)"][mode], results["gateway (handler in-process)"][mode]

@@ -100,6 +100,7 @@ fetch_wheels() {  # LOCK DEST: the lock's wheels into DEST, downloading those th
 for dir in "$ROOT"/sandbox_images/*/; do
     name="$(basename "$dir")"
     [[ -f "$dir/Containerfile" ]] || continue
+    [[ "$name" != harnesses ]] || continue  # built FROM prorl-python, below, when asked for
     tag="localhost/prorl-${name}:latest"
     digest="$( (echo "$base_digest"; cd "$dir" && find . -type f | sort | xargs sha256sum) | digest_of)"
     if stale "$tag" "$digest"; then
@@ -146,5 +147,45 @@ for task in "$ROOT"/sandbox_images/terminal/tasks/*/; do
     fi
     rm -rf "$ctx"
 done
+# The coding-agent CLIs (sandbox_images/harnesses), only with PRORL_HARNESSES=1
+# (`make images-harnesses`): about 1.4 GB of npm packages, so `make images`
+# leaves them out. Their npm tree is installed on the host from the lock
+# (tarballs cached in PRORL_NPM_CACHE) into the build context; the build has
+# no network. Then one image per SWE task with the CLIs: the task's own build
+# context FROM localhost/prorl-harnesses, as localhost/prorl-harnesses-swe-<id>.
+if [[ "${PRORL_HARNESSES:-0}" == 1 ]]; then
+    NPM_CACHE="${PRORL_NPM_CACHE:-/var/cache/prorl-npm}"
+    dir="$ROOT/sandbox_images/harnesses/"
+    harnesses=localhost/prorl-harnesses:latest
+    digest="$( (built localhost/prorl-python:latest; cd "$dir" && find . -type f | sort | xargs sha256sum) | digest_of)"
+    if stale "$harnesses" "$digest"; then
+        command -v npm >/dev/null || { echo "build-images: the harness image needs npm on the host" >&2; exit 1; }
+        echo "build-images: $harnesses (npm packages from the lock; a few minutes)"
+        ctx="$(mktemp -d /var/tmp/prorl-ctx.XXXXXX)"
+        cp -r "$dir". "$ctx"
+        install -d -m 0755 "$NPM_CACHE"
+        # --ignore-scripts: the Containerfile does what the packages' install scripts would.
+        (cd "$ctx" && npm install --ignore-scripts --no-audit --no-fund --no-update-notifier --prefer-offline \
+            --loglevel=error --cache "$NPM_CACHE" >/dev/null)
+        chown -R "$SANDBOX_USER:$SANDBOX_USER" "$ctx"
+        as_user podman build --quiet --network none --pull-never --label "prorl.digest=$digest" -t "$harnesses" "$ctx" >/dev/null
+        rm -rf "$ctx"
+    fi
+    for task in "$ROOT"/sandbox_images/swe/tasks/*/; do
+        [[ -f "$task/task.json" ]] || continue
+        tag="$(swe image "$task" | sed 's|^localhost/prorl-swe-|localhost/prorl-harnesses-swe-|')"
+        digest="$( (built "$harnesses"; swe digest "$task") | digest_of)"
+        if stale "$tag" "$digest"; then
+            echo "build-images: $tag"
+            ctx="$(mktemp -d /var/tmp/prorl-ctx.XXXXXX)"
+            swe prepare "$task" "$ctx"
+            sed -i "s|^FROM localhost/prorl-python:latest\$|FROM $harnesses|" "$ctx/Containerfile"
+            grep -q "^FROM $harnesses\$" "$ctx/Containerfile"
+            chown -R "$SANDBOX_USER:$SANDBOX_USER" "$ctx"
+            as_user podman build --quiet --network none --pull-never --label "prorl.digest=$digest" -t "$tag" "$ctx" >/dev/null
+            rm -rf "$ctx"
+        fi
+    done
+fi
 as_user podman image prune --force >/dev/null
 as_user podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep prorl

@@ -11,8 +11,8 @@ The instance names the program and how to judge what it produces:
 
 The program runs in the job's sandbox (the task's image for SWE) with the
 job's model gateway on the sandbox's own loopback: OPENAI_BASE_URL,
-OPENAI_API_KEY, ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY point at it (the key
-is the job's and dies with it), PRORL_TASK holds the task as the family's own
+OPENAI_API_KEY, ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY, GOOGLE_GEMINI_BASE_URL and
+GEMINI_API_KEY point at it (the key is the job's and dies with it), PRORL_TASK holds the task as the family's own
 agent would be prompted (when under 64 KiB) and PRORL_TASK_FILE names a file with the same
 text. If the program's last model call failed for want of a backend (none reachable, a
 5xx, a timeout), the job fails as infrastructure; a call the backend refused (a 4xx: the
@@ -167,6 +167,8 @@ class CommandHandler(AgentHandler[CommandTask, ProgramOutcome]):
                 "OPENAI_API_KEY": gateway.api_key,
                 "ANTHROPIC_BASE_URL": base,
                 "ANTHROPIC_API_KEY": gateway.api_key,
+                "GOOGLE_GEMINI_BASE_URL": base,
+                "GEMINI_API_KEY": gateway.api_key,
                 "PRORL_TASK": task_text if len(task_text.encode()) <= MAX_TASK_ENV_BYTES else "",
                 "PRORL_TASK_FILE": f"{folder}/task.txt",
                 **instance.program.env,

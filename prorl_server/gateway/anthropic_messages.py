@@ -14,12 +14,15 @@ stop_reason and usage, message_stop). `model` is free: any name is accepted and 
 Approximated: `tool_choice` any / tool cannot force a call (the named tool alone is sent);
 `none` sends no tools. `stop_reason` is end_turn, max_tokens or tool_use: a reply that met one
 of the `stop_sequences` is reported as end_turn (the backend does not say which stop it met).
-Thinking blocks in the history are dropped; `thinking`, `top_k`, `metadata`, `cache_control`
-and `service_tier` are ignored. A structured tool call whose arguments are not a JSON object
-has `input` {}.
+Thinking blocks in the history are dropped. Ignored on purpose (docs/llm.md lists them per
+harness): `thinking`, `top_k`, `metadata`, `cache_control`, `service_tier`,
+`context_management`, `output_config`, `container`, `mcp_servers`, the `anthropic-beta`
+header. A structured tool call whose arguments are not a JSON object has `input` {}. Server and
+Anthropic-defined tool types (web search, web fetch, code execution, bash, text editor, ...)
+are left out of what the model sees, not refused, and recorded (the result's
+`details.gateway.tools_left_out`).
 
-Refused with 400: a missing `max_tokens`; image, document and other non-text blocks; server
-and client-defined tool types (web search, bash, text editor, ...).
+Refused with 400: a missing `max_tokens`; image, document and other non-text blocks.
 
 `count_tokens` answers a rough estimate (about 4 characters per token over the JSON of the
 system prompt, messages and tools): the real count needs the job's tokenizer and template.
@@ -208,18 +211,19 @@ def _assistant(blocks: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     return message
 
 
-def tools_of(fields: Fields) -> tuple[list[dict[str, Any]], bool]:
-    """The tools to send and whether to read tool calls from the reply, after `tool_choice`."""
+def tools_of(fields: Fields, left_out: list[str] | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """The tools to send and whether to read tool calls from the reply, after `tool_choice`. Server
+    and Anthropic-defined tools (web search, code execution, bash, text editor, ...) are left out of
+    what the model sees, their types added to `left_out`."""
     tools: list[dict[str, Any]] = []
     for index, value in enumerate(fields.array("tools") or []):
         path = f"tools[{index}]"
         tool = Fields.of(value, path)
         kind = tool.string("type")
         if kind not in (None, "custom"):
-            raise bad_request(
-                f"{path} is a {kind!r} tool: only custom tools (name, description, input_schema) are supported",
-                path,
-            )
+            if left_out is not None:
+                left_out.append(kind)
+            continue
         tools.append(
             function_tool(tool.required_string("name"), tool.string("description"), tool.get("input_schema"), path)
         )
@@ -308,7 +312,9 @@ async def handle_messages(turns: ChatTurns, body: dict[str, Any]) -> HttpRespons
     fields = Fields(body)
     max_tokens = fields.integer("max_tokens", minimum=1, required=True)
     messages = messages_of(fields)
-    tools, parse_calls = tools_of(fields)
+    left_out: list[str] = []
+    tools, parse_calls = tools_of(fields, left_out)
+    turns.left_out(left_out)
     stop = fields.array("stop_sequences")
     if stop is not None and not all(isinstance(item, str) for item in stop):
         raise bad_request("stop_sequences must be an array of strings", "stop_sequences")

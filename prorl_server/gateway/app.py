@@ -8,12 +8,16 @@ Routes (each also without the `/v1` prefix; a query string is ignored):
                                       `anthropic-version` header
     POST /v1/messages                 Anthropic Messages        (anthropic_messages.py)
     POST /v1/messages/count_tokens    a rough estimate          (anthropic_messages.py)
+    POST /v1beta/models/{model}:generateContent, :streamGenerateContent, :countTokens
+    GET  /v1beta/models[/{model}]     Google's Gemini API       (google_generate.py)
 
 Errors are in the format of the route's provider: Anthropic's `{"type": "error", "error":
-{"type", "message"}}` on /v1/messages*, OpenAI's `{"error": {"message", "type", "param", "code"}}`
-elsewhere (an unknown path: 404; a known path with another method: 405). With an `api_key`,
-OpenAI routes need `Authorization: Bearer <key>` and Anthropic routes `x-api-key: <key>` (or the
-Bearer header): 401 otherwise.
+{"type", "message"}}` on /v1/messages*, Google's `{"error": {"code", "message", "status"}}` on
+the Gemini routes, OpenAI's `{"error": {"message", "type", "param", "code"}}` elsewhere (an
+unknown path: 404; a known path with another method: 405). With an `api_key`, OpenAI routes need
+`Authorization: Bearer <key>`, Anthropic routes `x-api-key: <key>` and Google routes
+`x-goog-api-key: <key>` (or a `key` query parameter), each also the Bearer header: 401
+otherwise.
 
 The job's errors: ContextLengthExceeded -> 400 (OpenAI code `context_length_exceeded`; Anthropic
 invalid_request_error "prompt is too long: ..."); LLMError llm_unavailable and Unavailable -> 503;
@@ -35,9 +39,9 @@ The gateway records nothing: the `chat` it is given does.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import structlog
 
@@ -55,7 +59,7 @@ from prorl_server.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from prorl_server.gateway import anthropic_messages, openai_chat, openai_responses
+from prorl_server.gateway import anthropic_messages, google_generate, openai_chat, openai_responses
 from prorl_server.gateway.common import ChatTurns, GatewayError, json_response, parse_body
 from prorl_server.llm.base import Sampling
 from prorl_server.sandbox.runtime.relay import HttpRequest, HttpResponse
@@ -66,7 +70,10 @@ DEFAULT_MODEL = "prorl"
 
 Route = Callable[[HttpRequest], Awaitable[HttpResponse]]
 MODEL_CALLS = ("/chat/completions", "/responses", "/messages")
-"""The routes whose calls count against gateway.max_concurrent_calls."""
+"""The routes whose calls count against gateway.max_concurrent_calls (and Google's generate
+methods, google_generate.MODEL_CALLS)."""
+OPENAI, ANTHROPIC, GOOGLE = "openai", "anthropic", "google"
+"""Whose format a route speaks (errors and keys)."""
 
 
 def error_for(exc: ProrlError) -> GatewayError:
@@ -120,11 +127,14 @@ class ModelGateway:
         model: str = DEFAULT_MODEL,
         api_key: str | None = None,
         limits: GatewaySettings | None = None,
+        on_left_out: Callable[[Sequence[str]], None] | None = None,
     ) -> None:
+        """`on_left_out(kinds)`: told per call of the tools left out of what the model sees (hosted
+        tools the gateway cannot run), for the job's record."""
         self.model = model
         self._api_key = api_key or None
         self.limits = limits or GatewaySettings()
-        self._turns = ChatTurns(chat, model=model, default_sampling=default_sampling)
+        self._turns = ChatTurns(chat, model=model, default_sampling=default_sampling, on_left_out=on_left_out)
         self.in_flight = 0
         """Model calls under way (the concurrency limit counts these)."""
 
@@ -134,27 +144,40 @@ class ModelGateway:
         return self.limits.max_request_bytes
 
     @staticmethod
-    def _where(request: HttpRequest) -> tuple[str, bool]:
-        """The route's path (without /v1) and whether it speaks Anthropic's format."""
+    def _where(request: HttpRequest) -> tuple[str, str]:
+        """The route's path (without /v1) and whose format it speaks (OPENAI, ANTHROPIC, GOOGLE)."""
         path = urlsplit(request.path).path.rstrip("/") or "/"
+        if google_generate.is_google(path):
+            return path, GOOGLE
         if path == "/v1" or path.startswith("/v1/"):
             path = path[3:] or "/"
-        anthropic = path == "/messages" or path.startswith("/messages/")
-        if path == "/models" or path.startswith("/models/"):
-            anthropic = "anthropic-version" in request.headers
-        return path, anthropic
+        if google_generate.is_google(path):
+            return path, GOOGLE
+        flavor = ANTHROPIC if path == "/messages" or path.startswith("/messages/") else OPENAI
+        if (path == "/models" or path.startswith("/models/")) and "anthropic-version" in request.headers:
+            flavor = ANTHROPIC
+        return path, flavor
+
+    @staticmethod
+    def _is_model_call(method: str, path: str, flavor: str) -> bool:
+        if method.upper() != "POST":
+            return False
+        if flavor == GOOGLE:
+            match = google_generate.ROUTE.match(path)
+            return match is not None and match["method"] in google_generate.MODEL_CALLS
+        return path in MODEL_CALLS
 
     def admit(self, request: HttpRequest) -> HttpResponse | None:
         """The refusal of a request from its head alone (method, path, headers; its body not yet
         read): a bad key (401) or a declared body over the limit (413). None: read the body."""
-        path, anthropic = self._where(request)
+        path, flavor = self._where(request)
         try:
-            self._authenticate(request, anthropic=anthropic)
+            self._authenticate(request, flavor=flavor)
             self._check_size(_content_length(request))
-            if request.method.upper() == "POST" and path in MODEL_CALLS:
+            if self._is_model_call(request.method, path, flavor):
                 self._check_concurrency()
         except GatewayError as error:
-            return self._error(error, anthropic=anthropic)
+            return self._error(error, flavor=flavor)
         return None
 
     def _check_concurrency(self) -> None:
@@ -177,39 +200,56 @@ class ModelGateway:
             )
 
     async def __call__(self, request: HttpRequest) -> HttpResponse:
-        path, anthropic = self._where(request)
+        path, flavor = self._where(request)
         try:
-            self._authenticate(request, anthropic=anthropic)
+            self._authenticate(request, flavor=flavor)
             self._check_size(len(request.body))
-            route = self._route(request.method.upper(), path, anthropic=anthropic)
+            route = self._route(request.method.upper(), path, flavor=flavor)
             return await route(request)
         except GatewayError as error:
-            return self._error(error, anthropic=anthropic)
+            return self._error(error, flavor=flavor)
         except ProrlError as exc:
-            return self._error(error_for(exc), anthropic=anthropic)
+            return self._error(error_for(exc), flavor=flavor)
         except Exception as exc:
             log.exception("gateway_internal_error", method=request.method, path=path)
             internal = GatewayError(500, f"internal error: {type(exc).__name__}: {exc}", kind="api_error")
-            return self._error(internal, anthropic=anthropic)
+            return self._error(internal, flavor=flavor)
 
-    def _error(self, error: GatewayError, *, anthropic: bool) -> HttpResponse:
-        body = anthropic_messages.error_body(error) if anthropic else openai_chat.error_body(error)
+    def _error(self, error: GatewayError, *, flavor: str) -> HttpResponse:
+        if flavor == ANTHROPIC:
+            body = anthropic_messages.error_body(error)
+        elif flavor == GOOGLE:
+            body = google_generate.error_body(error)
+        else:
+            body = openai_chat.error_body(error)
         return json_response(error.status, body)
 
-    def _authenticate(self, request: HttpRequest, *, anthropic: bool) -> None:
+    def _authenticate(self, request: HttpRequest, *, flavor: str) -> None:
         if self._api_key is None:
             return
         given = _bearer(request)
-        if anthropic and given is None:
+        if flavor == ANTHROPIC and given is None:
             given = request.headers.get("x-api-key") or None
+        if flavor == GOOGLE and given is None:
+            given = request.headers.get("x-goog-api-key") or None
+            if given is None:
+                keys = parse_qs(urlsplit(request.path).query).get("key") or [""]
+                given = keys[0] or None
         if given is None:
-            where = "an x-api-key header" if anthropic else "an Authorization: Bearer <key> header"
+            where = {
+                ANTHROPIC: "an x-api-key header",
+                GOOGLE: "an x-goog-api-key header",
+            }.get(flavor, "an Authorization: Bearer <key> header")
             raise GatewayError(401, f"missing API key: send it in {where}", kind="authentication")
         if not hmac.compare_digest(given.encode(), self._api_key.encode()):
-            message = "invalid x-api-key" if anthropic else "Incorrect API key provided"
+            message = {ANTHROPIC: "invalid x-api-key", GOOGLE: "API key not valid"}.get(
+                flavor, "Incorrect API key provided"
+            )
             raise GatewayError(401, message, kind="authentication")
 
-    def _route(self, method: str, path: str, *, anthropic: bool) -> Route:
+    def _route(self, method: str, path: str, *, flavor: str) -> Route:
+        if flavor == GOOGLE:
+            return self._google_route(method, path)
         posts: dict[str, Callable[[dict[str, Any]], Awaitable[HttpResponse]]] = {
             "/chat/completions": lambda body: openai_chat.handle_chat_completions(self._turns, body),
             "/responses": lambda body: openai_responses.handle_responses(self._turns, body),
@@ -240,13 +280,49 @@ class ModelGateway:
             if method != "GET":
                 raise self._not_allowed(method, path, "GET")
             name = path.removeprefix("/models").removeprefix("/") or None
-            models = anthropic_messages.handle_models if anthropic else openai_chat.handle_models
+            models = anthropic_messages.handle_models if flavor == ANTHROPIC else openai_chat.handle_models
 
             async def get(request: HttpRequest) -> HttpResponse:
                 return models(self._turns, name)
 
             return get
         raise GatewayError(404, f"Invalid URL ({method} /v1{path}): no such route", kind="not_found")
+
+    def _google_route(self, method: str, path: str) -> Route:
+        match = google_generate.ROUTE.match(path)
+        if match is None:  # the model list
+            if method != "GET":
+                raise self._not_allowed(method, path, "GET")
+
+            async def get(request: HttpRequest) -> HttpResponse:
+                return google_generate.handle_models(self._turns, path)
+
+            return get
+        if method != "POST":
+            raise self._not_allowed(method, path, "POST")
+        if match["method"] == "countTokens":
+
+            async def count(request: HttpRequest) -> HttpResponse:
+                return google_generate.handle_count_tokens(parse_body(request.take_body()))
+
+            return count
+        if match["method"] not in google_generate.MODEL_CALLS:
+            raise GatewayError(
+                404,
+                f"{path}: no such method (generateContent, streamGenerateContent and countTokens are served)",
+                kind="not_found",
+            )
+
+        async def generate(request: HttpRequest) -> HttpResponse:
+            self._check_concurrency()
+            self.in_flight += 1
+            try:
+                body = parse_body(request.take_body())
+                return await google_generate.handle_generate(self._turns, body, path=request.path)
+            finally:
+                self.in_flight -= 1
+
+        return generate
 
     @staticmethod
     async def _count_tokens(body: dict[str, Any]) -> HttpResponse:

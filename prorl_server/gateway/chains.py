@@ -188,6 +188,9 @@ class CallChains:
         self.clamped_calls = 0
         self.messages_cut: dict[str, int] = {}
         """What the result's messages lost to the budget: messages dropped, characters cut."""
+        self.tools_left_out: dict[str, int] = {}
+        """Per tool type the gateway cannot run (hosted web search, ...): the calls that offered it,
+        left out of what the model saw."""
         self._job_id = job_id
         self._min_policy_version = min_policy_version
         self._router = router
@@ -260,9 +263,16 @@ class CallChains:
             self.on_call(turn, result)
         return result
 
+    def note_left_out(self, kinds: Sequence[str]) -> None:
+        """One call's tools that the gateway left out of what the model sees (their types)."""
+        for kind in dict.fromkeys(kinds):
+            self.tools_left_out[kind] = self.tools_left_out.get(kind, 0) + 1
+
     def report(self) -> dict[str, Any]:
         """For the result's details: what the gateway changed of the program's calls."""
         report: dict[str, Any] = {"calls": self.calls, "clamped_calls": self.clamped_calls}
+        if self.tools_left_out:
+            report["tools_left_out"] = dict(self.tools_left_out)
         if self.clamped:
             report["clamped"] = self.clamped
         if self.messages_cut:

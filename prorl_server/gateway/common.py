@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -349,10 +349,21 @@ class ChatTurns:
     """The job's chat as the protocols call it: the history's replies put back as sampled, the reply
     read, the reply remembered (see the module docstring)."""
 
-    def __init__(self, chat: ChatFn, *, model: str, default_sampling: Sampling, remembered_calls: int = 4096) -> None:
+    def __init__(
+        self,
+        chat: ChatFn,
+        *,
+        model: str,
+        default_sampling: Sampling,
+        remembered_calls: int = 4096,
+        on_left_out: Callable[[Sequence[str]], None] | None = None,
+    ) -> None:
+        """`on_left_out(kinds)` is told, per call, of the tools the request offered that the gateway
+        cannot run and so left out of what the model sees (hosted web search, ...): the job's record."""
         self.chat = chat
         self.model = model
         self.default_sampling = default_sampling
+        self.on_left_out = on_left_out
         self._sampled: OrderedDict[str, str] = OrderedDict()
         """Per call id written in a reply's text: the reply's text as sampled."""
         self._capacity = remembered_calls
@@ -372,6 +383,11 @@ class ChatTurns:
         reply = read_reply(result, parse_calls=parse_calls, id_prefix=secrets.token_hex(3))
         self._remember(result, reply)
         return reply
+
+    def left_out(self, kinds: Sequence[str]) -> None:
+        """Record the tools of one call that were left out of what the model sees (see __init__)."""
+        if kinds and self.on_left_out is not None:
+            self.on_left_out(list(kinds))
 
     def _remember(self, result: ChatResult, reply: Reply) -> None:
         if not reply.calls or result.tool_calls:

@@ -1,29 +1,37 @@
-"""OpenAI's Responses API (`POST /v1/responses`), stateless, as far as a typical harness needs it.
+"""OpenAI's Responses API (`POST /v1/responses`), stateless, as far as real harnesses need it.
 
 Supported: `input` as a string or a list of items: messages (roles user, system, developer,
-assistant; content a string or input_text / output_text parts), `function_call` items (joined to
-the assistant message before them) and `function_call_output` items (`tool` messages);
-`reasoning` items are dropped. `instructions` (a system message first); function `tools` (flat:
-name, description, parameters); `tool_choice` auto / none / required / a function / allowed_tools;
-`max_output_tokens`, `temperature`, `top_p`; vLLM's `chat_template_kwargs`. The response has
-`output` items (a message with one output_text part; function_call items with id, call_id, name
-and arguments), `output_text`, `usage`, and status `incomplete` (reason max_output_tokens) when
-the reply was cut. `stream: true` sends response.created, response.in_progress,
-response.output_item.added, response.content_part.added, response.output_text.delta / .done,
-response.content_part.done, response.function_call_arguments.delta / .done,
+assistant; content a string or input_text / output_text parts), `function_call` and
+`custom_tool_call` items (joined to the assistant message before them; a `namespace` read back
+as responses_tools.py names it) and `function_call_output` / `custom_tool_call_output` items
+(`tool` messages); `reasoning` items are dropped. `instructions` (a system message first);
+`tools`: function, `namespace` and `custom` tools (responses_tools.py), every other (hosted)
+tool type left out of what the model sees and recorded; `tool_choice` auto / none / required /
+a function / allowed_tools; `max_output_tokens`, `temperature`, `top_p`; vLLM's
+`chat_template_kwargs`. The response has `output` items (a message with one output_text part;
+function_call items with id, call_id, name, namespace when the tool had one, and arguments;
+custom_tool_call items with input), `output_text`, `usage`, and status `incomplete` (reason
+max_output_tokens) when the reply was cut. `stream: true` sends response.created,
+response.in_progress, response.output_item.added, response.content_part.added,
+response.output_text.delta / .done, response.content_part.done,
+response.function_call_arguments.delta / .done (response.custom_tool_call_input.delta / .done),
 response.output_item.done and response.completed (response.incomplete when cut).
 
 Approximated as on the chat API: tool_choice required / a function cannot force a call.
 
 Refused with 400: `previous_response_id`, `conversation`, `item_reference` items and
 `background` (nothing is stored: send the whole conversation as `input`); `prompt` templates;
-non-function tools (web search, file search, computer use, ...); image and file inputs.
-Ignored: `store`, `include`, `text` (formats), `reasoning`, `metadata`, `parallel_tool_calls`,
-`truncation`, `user`, `prompt_cache_key`, `service_tier`.
+image and file inputs; input items of hosted tools (web_search_call, ...), which the gateway
+never gives.
+Ignored on purpose (docs/llm.md lists them per harness): `store`, `include`, `text` (formats
+and verbosity), `reasoning`, `metadata`, `parallel_tool_calls`, `truncation`, `user`,
+`prompt_cache_key`, `prompt_cache_retention`, `safety_identifier`, `service_tier`,
+`client_metadata`, `stream_options`, `max_tool_calls`, `top_logprobs`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -32,7 +40,6 @@ from prorl_server.gateway.common import (
     Fields,
     Reply,
     bad_request,
-    function_tool,
     json_response,
     new_id,
     only_tool,
@@ -42,12 +49,13 @@ from prorl_server.gateway.common import (
     sse_response,
     text_of,
 )
+from prorl_server.gateway.responses_tools import CUSTOM_INPUT, ResponsesTools
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
 STATELESS = "this gateway is stateless and stores no responses: send the whole conversation as input"
 
 
-def messages_of(fields: Fields) -> list[dict[str, Any]]:
+def messages_of(fields: Fields, offered: ResponsesTools) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     instructions = fields.string("instructions")
     if instructions:
@@ -65,21 +73,11 @@ def messages_of(fields: Fields) -> list[dict[str, Any]]:
         path = f"input[{index}]"
         item = Fields.of(raw, path)
         kind = item.string("type") or ("message" if item.has("role") else None)
-        if kind == "function_call":
-            arguments = item.get("arguments")
-            if arguments is None:
-                arguments = "{}"
-            if not isinstance(arguments, str):
-                raise bad_request(f"{path}.arguments must be a string", f"{path}.arguments")
-            call = {
-                "id": item.required_string("call_id"),
-                "type": "function",
-                "function": {"name": item.required_string("name"), "arguments": arguments},
-            }
+        if kind in ("function_call", "custom_tool_call"):
             if assistant is None:
                 assistant = {"role": "assistant", "content": ""}
                 messages.append(assistant)
-            assistant.setdefault("tool_calls", []).append(call)
+            assistant.setdefault("tool_calls", []).append(_call(item, kind, path, offered))
             continue
         if kind == "reasoning":
             continue
@@ -96,7 +94,7 @@ def messages_of(fields: Fields) -> list[dict[str, Any]]:
                 messages.append(assistant)
             else:
                 raise bad_request(f"{path}.role: unknown role {role!r}", item.name("role"))
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             messages.append(
                 {
@@ -109,24 +107,34 @@ def messages_of(fields: Fields) -> list[dict[str, Any]]:
             raise bad_request(f"{path} is an item_reference: {STATELESS}", path)
         else:
             raise bad_request(
-                f"{path} is a {kind!r} item: only message, function_call, function_call_output "
-                "and reasoning items are supported",
+                f"{path} is a {kind!r} item: only message, function_call, function_call_output, "
+                "custom_tool_call, custom_tool_call_output and reasoning items are supported (the gateway "
+                "runs no hosted tools, so it never gives their items)",
                 path,
             )
     return messages
 
 
-def tools_of(fields: Fields) -> tuple[list[dict[str, Any]], bool]:
-    tools: list[dict[str, Any]] = []
-    for index, value in enumerate(fields.array("tools") or []):
-        path = f"tools[{index}]"
-        tool = Fields.of(value, path)
-        kind = tool.string("type")
-        if kind != "function":
-            raise bad_request(f"{path} is a {kind!r} tool: only function tools are supported", path)
-        tools.append(
-            function_tool(tool.required_string("name"), tool.string("description"), tool.get("parameters"), path)
-        )
+def _call(item: Fields, kind: str, path: str, offered: ResponsesTools) -> dict[str, Any]:
+    """A function_call / custom_tool_call item as the chat's tool call, under the model's name."""
+    name = offered.model_name(item.required_string("name"), item.string("namespace"))
+    if kind == "custom_tool_call":
+        arguments = json.dumps({CUSTOM_INPUT: item.string("input") or ""}, ensure_ascii=False)
+    else:
+        raw = item.get("arguments")
+        arguments = "{}" if raw is None else raw
+        if not isinstance(arguments, str):
+            raise bad_request(f"{path}.arguments must be a string", f"{path}.arguments")
+    return {
+        "id": item.required_string("call_id"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def tools_of(fields: Fields, offered: ResponsesTools) -> tuple[list[dict[str, Any]], bool]:
+    """The tools to send and whether to read calls, after `tool_choice`."""
+    tools = offered.tools
     choice = fields.get("tool_choice")
     plain = plain_tool_choice(choice, tools)
     if plain is not None:
@@ -134,11 +142,12 @@ def tools_of(fields: Fields) -> tuple[list[dict[str, Any]], bool]:
     if isinstance(choice, dict):
         chosen = Fields(choice, "tool_choice")
         kind = chosen.string("type")
-        if kind == "function":
-            return only_tool(tools, chosen.required_string("name"), "tool_choice"), True
+        if kind in ("function", "custom"):
+            name = chosen.required_string("name")
+            return only_tool(tools, offered.find(name) or name, "tool_choice"), True
         if kind == "allowed_tools":
             listed = chosen.array("tools", required=True) or []
-            names = {str(item.get("name")) for item in listed if isinstance(item, dict)}
+            names = {offered.find(str(item.get("name"))) for item in listed if isinstance(item, dict)}
             narrowed = [tool for tool in tools if tool["function"]["name"] in names]
             return narrowed, bool(narrowed)
         raise bad_request(f"tool_choice of type {kind!r} is not supported", "tool_choice")
@@ -155,21 +164,11 @@ def _message_item(reply: Reply, status: str) -> dict[str, Any]:
     }
 
 
-def output_items(reply: Reply) -> list[dict[str, Any]]:
+def output_items(reply: Reply, offered: ResponsesTools) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if reply.content or not reply.calls:
         items.append(_message_item(reply, "incomplete" if reply.finish == "length" else "completed"))
-    for call in reply.calls:
-        items.append(
-            {
-                "type": "function_call",
-                "id": new_id("fc_"),
-                "call_id": call.id,
-                "name": call.name,
-                "arguments": call.arguments_json,
-                "status": "completed",
-            }
-        )
+    items += [offered.output_item(call) for call in reply.calls]
     return items
 
 
@@ -183,9 +182,11 @@ def _usage(reply: Reply) -> dict[str, Any]:
     }
 
 
-def response_object(reply: Reply | None, *, request: Fields, model: str, response_id: str) -> dict[str, Any]:
+def response_object(
+    reply: Reply | None, *, request: Fields, offered: ResponsesTools, model: str, response_id: str
+) -> dict[str, Any]:
     """The response; `reply` None: as it is before the reply (in progress, no output)."""
-    output = output_items(reply) if reply is not None else []
+    output = output_items(reply, offered) if reply is not None else []
     status = "in_progress" if reply is None else "incomplete" if reply.finish == "length" else "completed"
     tools = request.get("tools") or []
     return {
@@ -214,7 +215,7 @@ def response_object(reply: Reply | None, *, request: Fields, model: str, respons
     }
 
 
-def response_events(reply: Reply, *, request: Fields, model: str) -> list[bytes]:
+def response_events(reply: Reply, *, request: Fields, offered: ResponsesTools, model: str) -> list[bytes]:
     """The reply as the Responses API's stream of events."""
     response_id = new_id("resp_")
     events: list[bytes] = []
@@ -222,10 +223,10 @@ def response_events(reply: Reply, *, request: Fields, model: str) -> list[bytes]
     def emit(kind: str, **fields: Any) -> None:
         events.append(sse_event({"type": kind, "sequence_number": len(events), **fields}, kind))
 
-    opening = response_object(None, request=request, model=model, response_id=response_id)
+    opening = response_object(None, request=request, offered=offered, model=model, response_id=response_id)
     emit("response.created", response=opening)
     emit("response.in_progress", response=opening)
-    final = response_object(reply, request=request, model=model, response_id=response_id)
+    final = response_object(reply, request=request, offered=offered, model=model, response_id=response_id)
     for index, item in enumerate(final["output"]):
         if item["type"] == "message":
             part = item["content"][0]
@@ -238,6 +239,11 @@ def response_events(reply: Reply, *, request: Fields, model: str) -> list[bytes]
                 emit("response.output_text.delta", **ids, delta=part["text"], logprobs=[])
             emit("response.output_text.done", **ids, text=part["text"], logprobs=[])
             emit("response.content_part.done", **ids, part=part)
+        elif item["type"] == "custom_tool_call":
+            ids = {"item_id": item["id"], "output_index": index}
+            emit("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "input": ""})
+            emit("response.custom_tool_call_input.delta", **ids, delta=item["input"])
+            emit("response.custom_tool_call_input.done", **ids, input=item["input"])
         else:
             ids = {"item_id": item["id"], "output_index": index}
             emit(
@@ -261,8 +267,10 @@ async def handle_responses(turns: ChatTurns, body: dict[str, Any]) -> HttpRespon
         raise bad_request(f"background: {STATELESS}", "background")
     if fields.has("prompt"):
         raise bad_request("prompt: stored prompt templates are not supported", "prompt")
-    messages = messages_of(fields)
-    tools, parse_calls = tools_of(fields)
+    offered = ResponsesTools.read(fields)
+    messages = messages_of(fields, offered)
+    tools, parse_calls = tools_of(fields, offered)
+    turns.left_out(offered.left_out)
     sampling = sampling_for(
         turns.default_sampling,
         max_tokens=fields.integer("max_output_tokens", minimum=1),
@@ -275,5 +283,6 @@ async def handle_responses(turns: ChatTurns, body: dict[str, Any]) -> HttpRespon
     model = fields.string("model") or turns.model
     reply = await turns.run(messages, tools, sampling, parse_calls=parse_calls)
     if stream:
-        return sse_response(response_events(reply, request=fields, model=model))
-    return json_response(200, response_object(reply, request=fields, model=model, response_id=new_id("resp_")))
+        return sse_response(response_events(reply, request=fields, offered=offered, model=model))
+    answer = response_object(reply, request=fields, offered=offered, model=model, response_id=new_id("resp_"))
+    return json_response(200, answer)

@@ -122,7 +122,11 @@ class Pipeline:
         async def model_gateway(sandbox: Sandbox) -> AsyncIterator[JobGateway]:
             key = secrets.token_urlsafe(24)
             gateway = ModelGateway(
-                chains.chat, default_sampling=plan.sampling, api_key=key, limits=self._gateway_limits
+                chains.chat,
+                default_sampling=plan.sampling,
+                api_key=key,
+                limits=self._gateway_limits,
+                on_left_out=chains.note_left_out,
             )
             handle = await sandbox.open_gateway(gateway)
             self._gateways.add(job.job_id, gateway)
