@@ -25,10 +25,16 @@ from urllib.parse import urlsplit
 import pytest
 
 from prorl_server.gateway.app import ModelGateway
+from prorl_server.gateway.chains import CallChains
+from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.base import ApiToolCall, ChatResult, Sampling
+from prorl_server.llm.factory import build_backend
+from prorl_server.llm.router import BackendRouter
 from prorl_server.sandbox.runtime.relay import HttpRequest, HttpResponse
+from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "harness_requests"
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 HARNESSES = ("codex", "claude-code", "gemini-cli", "opencode", "qwen-code")
 KEY = "sk-replay"
 RECORDED = sorted(DATA.glob("*/*.json"))
@@ -251,3 +257,88 @@ async def test_a_recorded_request_is_answered_as_its_harness_expects(path: Path)
         for call in message.get("tool_calls") or []:
             # A call echoed from the history is under the name the model was offered.
             assert call["function"]["name"] in names or not names
+
+
+# --------------------------------------------------------------------------------------------
+# Exact chains: each harness's recorded tool loop on the job's CallChains
+
+
+def qwen_tokenizer(folder: Path) -> Path:
+    """The fake vLLM's byte-level tokenizer with Qwen2.5-Instruct's real chat template (tools,
+    <tool_call>, <tool_response>): the set-up the harnesses were first tried on."""
+    write_tiny_tokenizer(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (TEMPLATES / "Qwen--Qwen2.5-7B-Instruct.jinja").read_text()
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def echoed_call(route: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The last tool call the harness sent back in this request's history, as the model must have
+    written it (hermes JSON, under the name the model was offered)."""
+    found: dict[str, Any] | None = None
+    if route == "responses":
+        for item in body.get("input") or []:
+            if item.get("type") == "function_call":
+                name = item["name"] if not item.get("namespace") else flat_name(item["namespace"], item["name"])
+                found = {"name": name, "arguments": json.loads(item.get("arguments") or "{}")}
+    elif route == "messages":
+        for message in body.get("messages", []):
+            for block in message["content"] if isinstance(message["content"], list) else []:
+                if message["role"] == "assistant" and block.get("type") == "tool_use":
+                    found = {"name": block["name"], "arguments": block["input"]}
+    elif route == "chat":
+        for message in body.get("messages", []):
+            for call in message.get("tool_calls") or []:
+                found = {"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"])}
+    elif route == "gemini":
+        for content in body.get("contents", []):
+            for part in content.get("parts", []):
+                if "functionCall" in part:
+                    found = {"name": part["functionCall"]["name"], "arguments": part["functionCall"].get("args", {})}
+    return found
+
+
+TOOL_LOOPS = sorted({path.parent for path in RECORDED})
+
+
+@pytest.mark.parametrize("folder", TOOL_LOOPS, ids=[folder.name for folder in TOOL_LOOPS])
+async def test_a_harness_tool_loop_is_one_exact_token_chain(folder: Path, tmp_path: Path) -> None:
+    """The harness's model call that ran the shell, then its call with the result, replayed on the
+    job's CallChains over a fake vLLM (Qwen2.5's template): the model's reply is the call the harness
+    echoed, so the second call continues the first's token chain exactly."""
+    entries = [load(path) for path in RECORDED if path.parent == folder]
+    calls = [entry for entry in entries if entry["method"] == "POST" and route_of(entry["path"]) != "other"]
+    loop = [
+        (i, entry) for i, entry in enumerate(calls) if echoed_call(route_of(entry["path"]), entry["body"]) is not None
+    ][:1]
+    assert loop, f"{folder.name}: no recorded call sends a tool result back"
+    later_index, later = loop[0]
+    earlier = calls[later_index - 1]
+    call = echoed_call(route_of(later["path"]), later["body"])
+    replies = iter([f"<tool_call>\n{json.dumps(call)}\n</tool_call>", "Done."])
+    vllm = FakeVLLM(qwen_tokenizer(tmp_path / "tok"), lambda prompt: next(replies))
+    vllm.max_model_len = 1 << 20  # one token per byte: Claude Code's calls are about 76 KB
+    await vllm.start()
+    router = BackendRouter(health_interval_s=0)
+    settings = BackendSettings(id="v", kind="vllm", base_url=vllm.base_url, tokenizer_path=str(tmp_path / "tok"))
+    router.add(build_backend(settings, timeout_s=30, max_retries=0))
+    chains = CallChains("job", router, job_sampling=Sampling(max_tokens=512, temperature=1.0))
+    gateway = ModelGateway(chains.chat, default_sampling=Sampling(max_tokens=512, temperature=1.0), api_key=KEY)
+    try:
+        for entry in (earlier, later):
+            body = json.dumps(entry["body"]).encode()
+            response = await gateway(HttpRequest(entry["method"], entry["path"], with_key(entry["headers"]), body))
+            assert response.status == 200, (await body_of(response)).decode()[:2000]
+            await body_of(response)
+    finally:
+        await router.close()
+        await vllm.stop()
+    (chain,) = chains.token_chains()
+    assert chain.calls == [0, 1]
+    first, second = (request["prompt"] for request in vllm.requests)
+    sampled = chain.token_ids[len(first) : chain.turn_spans[0][1]]
+    assert second[: len(first) + len(sampled)] == first + sampled
+    assert "<tool_call>" in vllm.tokenizer.decode(sampled)
+    assert chain.token_ids[: len(second)] == second
+    assert "prorl-recorded" in vllm.tokenizer.decode(second[len(first) + len(sampled) :])
