@@ -157,6 +157,14 @@ class ModelGateway:
         flavor = ANTHROPIC if path == "/messages" or path.startswith("/messages/") else OPENAI
         if (path == "/models" or path.startswith("/models/")) and "anthropic-version" in request.headers:
             flavor = ANTHROPIC
+        if path == "/":  # a probe: whichever provider's key header the client sends
+            flavor = (
+                ANTHROPIC
+                if "x-api-key" in request.headers
+                else GOOGLE
+                if "x-goog-api-key" in request.headers
+                else flavor
+            )
         return path, flavor
 
     @staticmethod
