@@ -127,7 +127,12 @@ HARNESSES = {
             "@google/gemini-cli",
             "gemini",
             ["-p", PROMPT, "--yolo"],
-            env={"GOOGLE_GEMINI_BASE_URL": "{base}", "GEMINI_API_KEY": "{key}"},
+            env={
+                "GOOGLE_GEMINI_BASE_URL": "{base}",
+                "GEMINI_API_KEY": "{key}",
+                "GEMINI_MODEL": "gemini-2.5-pro",
+                "GEMINI_CLI_TRUST_WORKSPACE": "true",
+            },
             files={
                 ".gemini/settings.json": json.dumps(
                     {
@@ -144,7 +149,12 @@ HARNESSES = {
             "opencode-ai",
             "opencode",
             ["run", PROMPT],
-            env={"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1"},
+            env={
+                "OPENCODE_DISABLE_AUTOUPDATE": "1",
+                "OPENCODE_DISABLE_MODELS_FETCH": "1",
+                "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+                "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+            },
             files={".config/opencode/opencode.json": json.dumps(OPENCODE_CONFIG)},
         ),
         Harness(
@@ -220,7 +230,9 @@ async def record(harness: Harness, npm: Path, timeout_s: float) -> Path:
     binary = npm / "node_modules" / ".bin" / harness.binary
     version = await version_of(binary)
     recorder = Recorder(
-        ModelGateway(scripted_model, default_sampling=Sampling(max_tokens=1024), model=MODEL, api_key=KEY)
+        ModelGateway(
+            scripted_model, default_sampling=Sampling(max_tokens=1024, temperature=1.0), model=MODEL, api_key=KEY
+        )
     )
     server = GatewayServer(recorder)
     await server.start()
@@ -264,10 +276,14 @@ async def record(harness: Harness, npm: Path, timeout_s: float) -> Path:
     folder = OUT / f"{harness.name}-{version}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    kept = recorder.requests[:MAX_REQUESTS]
+    distinct: list[dict[str, Any]] = []  # a retry of the same request is kept once
+    for entry in recorder.requests:
+        if not any({**entry, "headers": {}} == {**other, "headers": {}} for other in distinct):
+            distinct.append(entry)
+    kept = distinct[:MAX_REQUESTS]
     for index, entry in enumerate(kept):
         entry = {"harness": harness.name, "package": harness.package, "version": version, **entry}
-        text = json.dumps(entry, indent=1, ensure_ascii=False).replace(server.url, "http://127.0.0.1:PORT")
+        text = json.dumps(entry, indent=1, ensure_ascii=False).replace(f"127.0.0.1:{server.port}", "127.0.0.1:PORT")
         (folder / f"{index:02d}.json").write_text(text + "\n")
     statuses = [entry.get("status") for entry in kept]
     print(f"{harness.name} {version}: {len(recorder.requests)} requests, kept {len(kept)}, statuses {statuses}")

@@ -10,6 +10,7 @@ Routes (each also without the `/v1` prefix; a query string is ignored):
     POST /v1/messages/count_tokens    a rough estimate          (anthropic_messages.py)
     POST /v1beta/models/{model}:generateContent, :streamGenerateContent, :countTokens
     GET  /v1beta/models[/{model}]     Google's Gemini API       (google_generate.py)
+    GET, HEAD /                       200: a client's probe that the server is up
 
 Errors are in the format of the route's provider: Anthropic's `{"type": "error", "error":
 {"type", "message"}}` on /v1/messages*, Google's `{"error": {"code", "message", "status"}}` on
@@ -156,6 +157,14 @@ class ModelGateway:
         flavor = ANTHROPIC if path == "/messages" or path.startswith("/messages/") else OPENAI
         if (path == "/models" or path.startswith("/models/")) and "anthropic-version" in request.headers:
             flavor = ANTHROPIC
+        if path == "/":  # a probe: whichever provider's key header the client sends
+            flavor = (
+                ANTHROPIC
+                if "x-api-key" in request.headers
+                else GOOGLE
+                if "x-goog-api-key" in request.headers
+                else flavor
+            )
         return path, flavor
 
     @staticmethod
@@ -276,6 +285,12 @@ class ModelGateway:
                     self.in_flight -= 1
 
             return post
+        if path == "/" and method in ("GET", "HEAD"):  # a client's probe that the server is there (Claude Code)
+
+            async def alive(request: HttpRequest) -> HttpResponse:
+                return json_response(200, {"status": "ok"})
+
+            return alive
         if path == "/models" or path.startswith("/models/"):
             if method != "GET":
                 raise self._not_allowed(method, path, "GET")

@@ -463,3 +463,11 @@ async def test_gemini_paths_with_either_version_prefix(path: str) -> None:
     async with gateway(text("ok")) as (_, url, _noted):
         status, body, _ = await post(f"{url}{path}", {"contents": [{"parts": [{"text": "Hi"}]}]}, GOOGLE_KEY)
     assert status == 200 and body["candidates"][0]["content"]["parts"] == [{"text": "ok"}]
+
+
+async def test_the_root_answers_a_probe_with_the_key_and_is_401_without() -> None:
+    async with gateway() as (_, url, _noted), aiohttp.ClientSession() as session:
+        async with session.head(f"{url}/", headers={"x-api-key": KEY}) as keyed:
+            assert keyed.status == 200
+        async with session.head(f"{url}/") as keyless:
+            assert keyless.status == 401
