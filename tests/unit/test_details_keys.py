@@ -219,6 +219,7 @@ async def terminal_details() -> list[dict[str, Any]]:
             timeout_s=10,
         )
         found.append(verdict.details())
+    return found
 
 
 async def rubric_details() -> list[dict[str, Any]]:
