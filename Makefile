@@ -95,9 +95,10 @@ test-e2e:
 	$(PYTEST) -m "e2e or slow" -q
 
 # Everything CI runs: set-up, generated-code check, lint, the fast suite without
-# Podman, then every other test (with the slowest listed: how far they are from pytest's timeout).
+# Podman, then every other test: the container suites and the real-model suites side by side
+# (scripts/slow_suites.sh; the slowest listed: how far they are from pytest's timeout).
 test-all: setup setup-vllm proto-check lint test-without-podman
-	$(PYTEST) -m "(podman or e2e or slow or postgres or vllm) and not harnesses" -q --durations=25
+	PYTEST="$(PYTEST)" bash scripts/slow_suites.sh
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
 bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification bench-throughput
