@@ -93,7 +93,7 @@ async def test_six_jobs_on_the_one_cpu_model_share_it_and_no_budget_pays_for_the
     def request(index: int, budget_s: int) -> v1.RolloutRequest:
         made = math_request(f"What is {index} + 40? Use python.", str(index + 40), job_id=f"share-{index}")
         made.sandbox.cpus, made.sandbox.memory_mib, made.sandbox.pids_limit = 1.0, 256, 64
-        made.limits.max_turns = 4
+        made.limits.max_turns = 3
         made.limits.budget.FromSeconds(budget_s)
         made.sampling.max_tokens = 96
         made.sampling.temperature = 0.7
