@@ -283,23 +283,7 @@ class ProrlServer:
             self._router.add(build_backend(configured, timeout_s=llm.request_timeout_s, max_retries=llm.max_retries))
         embedded = llm.embedded
         if embedded.enabled == "always" or (embedded.enabled == "auto" and not (llm.backends or self._extra_backends)):
-            info = BackendInfo(
-                id="embedded",
-                kind="embedded",
-                base_url="in-process",
-                model=EMBEDDED_MODEL_NAME,
-                # One llama.cpp context: requests queue in the router, where they can be cancelled.
-                max_in_flight=1,
-                managed=True,
-            )
-            backend = LlamaCppBackend(
-                info,
-                model_path=Path(embedded.model_path) if embedded.model_path else None,
-                context_length=embedded.context_length,
-                threads=embedded.threads,
-            )
-            await backend.start()
-            self._router.add(backend, managed=True)
+            self._router.add(await self._embedded_backend("embedded"), managed=True)
         for extra in self._extra_backends:
             self._router.add(extra)
         if not self._router.entries():
@@ -320,26 +304,31 @@ class ProrlServer:
                 build_backend(configured, timeout_s=judge.request_timeout_s, max_retries=judge.max_retries)
             )
         if judge.embedded:
-            embedded = self.settings.llm.embedded
-            info = BackendInfo(
-                id="judge-embedded",
-                kind="embedded",
-                base_url="in-process",
-                model=EMBEDDED_MODEL_NAME,
-                max_in_flight=1,
-                managed=True,
-            )
-            backend = LlamaCppBackend(
-                info,
-                model_path=Path(embedded.model_path) if embedded.model_path else None,
-                context_length=embedded.context_length,
-                threads=embedded.threads,
-            )
-            await backend.start()
-            self._judge_router.add(backend, managed=True)
+            self._judge_router.add(await self._embedded_backend("judge-embedded"), managed=True)
         for extra in self._extra_judge_backends:
             self._judge_router.add(extra)
         self._judge_router.start()
+
+    async def _embedded_backend(self, backend_id: str) -> LlamaCppBackend:
+        """A started llama.cpp backend on the embedded model's settings (llm.embedded)."""
+        embedded = self.settings.llm.embedded
+        info = BackendInfo(
+            id=backend_id,
+            kind="embedded",
+            base_url="in-process",
+            model=EMBEDDED_MODEL_NAME,
+            # One llama.cpp context: requests queue in the router, where they can be cancelled.
+            max_in_flight=1,
+            managed=True,
+        )
+        backend = LlamaCppBackend(
+            info,
+            model_path=Path(embedded.model_path) if embedded.model_path else None,
+            context_length=embedded.context_length,
+            threads=embedded.threads,
+        )
+        await backend.start()
+        return backend
 
     def _hand_back(self, job: JobRecord) -> None:
         if self._coordinator is not None:
