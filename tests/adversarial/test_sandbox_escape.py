@@ -275,12 +275,14 @@ async def test_a_command_that_is_not_moved_into_the_limits_does_not_run(exec_pro
         await sandbox.close()
 
 
-def test_the_profile_is_podmans_default_but_for_user_namespaces() -> None:
+def test_the_profile_is_podmans_default_but_for_user_namespaces_and_keyctl() -> None:
     default = Path("/usr/share/containers/seccomp.json")
     if not default.exists():
         pytest.skip("Podman's default seccomp profile is not installed here")
     ours, theirs = json.loads(SECCOMP_PROFILE.read_text()), json.loads(default.read_text())
     namespaced = {"clone", "clone3", "unshare"}
+    # keyctl is denied (as Docker's default profile does): a sandbox takes no kernel keyring.
+    differ = namespaced | {"keyctl"}
 
     def rules(profile: dict[str, Any], keep: Any) -> list[Any]:
         found = []
@@ -291,7 +293,8 @@ def test_the_profile_is_podmans_default_but_for_user_namespaces() -> None:
         return found
 
     assert {k: v for k, v in ours.items() if k != "syscalls"} == {k: v for k, v in theirs.items() if k != "syscalls"}
-    assert rules(ours, lambda name: name not in namespaced) == rules(theirs, lambda name: name not in namespaced)
+    assert rules(ours, lambda name: name not in differ) == rules(theirs, lambda name: name not in differ)
+    assert not [rule for rule in rules(ours, lambda name: name == "keyctl") if rule["action"] == "SCMP_ACT_ALLOW"]
     for rule in rules(ours, lambda name: name in namespaced):
         if rule["action"] == "SCMP_ACT_ALLOW":  # only with the CLONE_NEWUSER bit clear
             assert rule["args"] and all(a["value"] == 0x10000000 and a["valueTwo"] == 0 for a in rule["args"])
