@@ -135,7 +135,10 @@ def harden(subreaper=False):
 
 
 def clean_env(**extra):
-    """The environment untrusted code starts with: nothing inherited but the basics."""
+    """The environment untrusted code starts with: nothing inherited but the basics. TMPDIR is
+    kept when the runtime started with one: it names the sandbox's own temporary directory
+    (unset in the images, so /tmp; a folder of the fake sandbox's on a test host, where the
+    tests' pytest would otherwise share, and prune, the host's /tmp/pytest-of-<user>)."""
     env = {
         "PATH": os.environ.get("PATH") or DEFAULT_PATH,
         "HOME": os.environ.get("HOME") or "/tmp",
@@ -143,6 +146,8 @@ def clean_env(**extra):
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    if os.environ.get("TMPDIR"):
+        env["TMPDIR"] = os.environ["TMPDIR"]
     env.update(extra)
     return env
 

@@ -806,6 +806,19 @@ def make_non_dumpable():
         return False
 
 
+def judge_env():
+    """The judge's environment: the basics, and the sandbox's own temporary directory when the
+    runtime was given one."""
+    env = {
+        "PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin",
+        "HOME": os.environ.get("HOME") or "/tmp",
+        "LANG": "C.UTF-8",
+    }
+    if os.environ.get("TMPDIR"):
+        env["TMPDIR"] = os.environ["TMPDIR"]
+    return env
+
+
 def run_judge(mode, spec, timeout, cap):
     """Run the judging harness (prorl_judge.py, trusted, beside this file) on `spec`.
 
@@ -827,11 +840,7 @@ def run_judge(mode, spec, timeout, cap):
             stderr=subprocess.STDOUT,
             pass_fds=(verdict_w,),
             cwd="/",
-            env={
-                "PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin",
-                "HOME": os.environ.get("HOME") or "/tmp",
-                "LANG": "C.UTF-8",
-            },
+            env=judge_env(),
             start_new_session=True,
         )
     except BaseException:
