@@ -11,10 +11,17 @@ Matching is on what the program sends back. Its copy of our reply is the
 gateway's rendering of it (tool calls parsed out of the text, ids added), not
 the text the model sampled; it matches when its tool calls (names and
 arguments) are the reply's and its text is part of the sampled text (the
-gateway only removes tool-call markup). The chain then sends the
-sampled text in its place, so the template renders what the model really
-produced. Anything else (an edited reply, a changed message, other tools) is
-a rewritten history: a new chain.
+gateway only removes tool-call markup). On a token chain the chain then sends the
+sampled text in its place: the token conversation keeps the reply's sampled ids
+and never renders it again. Anything else (an edited reply, a changed message,
+other tools) is a rewritten history: a new chain.
+
+A conversation that is rendered whole (a new chain's first prompt, every call to
+a chat backend) must show each earlier reply's tool calls once: as the template
+writes the structured calls, after the reply's text without their markup (the
+text the gateway gave). The history reaches the chains with the sampled text put
+back (gateway/common.py), markup and structured calls both; such a reply's text
+is replaced by the gateway's for the render (`_Shown`).
 
 Memory: a chain keeps no copy of the program's messages, only a digest of
 each (what makes it the same message for the chain) and the replies the model
@@ -112,6 +119,10 @@ class _Reply:
     text: str
     calls: list[tuple[str, Any]]
     """(name, arguments) of the tool calls the gateway gave for it."""
+    shown: str = ""
+    """The text the gateway gave for it: `text` without the calls' markup."""
+    exact: bool = True
+    """From a token backend: its sampled ids are in the chain and never rendered again."""
 
     def matches(self, echoed: Message) -> bool:
         if echoed.get("role") != "assistant":
@@ -121,8 +132,9 @@ class _Reply:
         return _text(echoed.get("content")).strip() in self.text
 
     def as_sent(self, echoed: Message) -> Message:
-        """The sampled text, with the program's tool calls (their ids are what its tool results name)."""
-        message: Message = {"role": "assistant", "content": self.text}
+        """The sampled text (the gateway's, if the reply is rendered again: see the module
+        docstring), with the program's tool calls (their ids are what its tool results name)."""
+        message: Message = {"role": "assistant", "content": self.text if self.exact else self.shown}
         if echoed.get("tool_calls"):
             message["tool_calls"] = echoed["tool_calls"]
         return message
@@ -144,7 +156,9 @@ class Chain:
     versions: list[int] = field(default_factory=list)
     """Per token: the policy version of the call that added it."""
 
-    def continuation(self, messages: Sequence[Message], digests: Sequence[bytes]) -> list[Message] | None:
+    def continuation(
+        self, messages: Sequence[Message], digests: Sequence[bytes], shown: _Shown
+    ) -> list[Message] | None:
         """The messages to send on this chain for `messages` (`digests`: theirs), or None if they
         do not extend it."""
         known = len(self.history)
@@ -159,8 +173,30 @@ class Chain:
             elif mine != digest:
                 return None
             else:
-                sent.append(dict(theirs))
-        return sent + [dict(m) for m in messages[known:]]
+                sent.append(shown.rendered(theirs))
+        return sent + [shown.rendered(m) for m in messages[known:]]
+
+
+class _Shown:
+    """The job's replies whose calls the gateway read out of their text: the sampled text -> the
+    text without the calls' markup. Keeps references to the chains' own strings, not copies."""
+
+    def __init__(self) -> None:
+        self._by_sampled: dict[str, str] = {}
+
+    def add(self, reply: _Reply) -> None:
+        if reply.calls and reply.shown != reply.text:
+            self._by_sampled[reply.text] = reply.shown
+
+    def rendered(self, message: Message) -> Message:
+        """`message` as a whole-conversation render must see it: a reply of this job's, with its
+        sampled text and its structured calls both, gets the gateway's text."""
+        content = message.get("content")
+        if message.get("role") == "assistant" and message.get("tool_calls") and isinstance(content, str):
+            shown = self._by_sampled.get(content)
+            if shown is not None:
+                return {**message, "content": shown}
+        return dict(message)
 
 
 class CallChains:
@@ -200,6 +236,7 @@ class CallChains:
         self.last_conversation: list[Message] = []
         """The latest call's messages and its reply, as the program sent them and the model wrote it."""
         self.last_chain: Chain | None = None
+        self._shown = _Shown()
         self.outage: LLMError | None = None
         """The backends' failure on the latest call, when no call succeeded since: the program could
         not reach the model (the job fails as infrastructure, not as the policy's doing)."""
@@ -210,7 +247,7 @@ class CallChains:
         for chain in reversed(self.chains):
             if chain.tools_key != tools_key:
                 continue
-            sent = chain.continuation(messages, digests)
+            sent = chain.continuation(messages, digests, self._shown)
             if sent is not None:
                 return chain, sent
         session = LLMSession(
@@ -218,7 +255,7 @@ class CallChains:
         )
         chain = Chain(session, tools_key)
         self.chains.append(chain)
-        return chain, [dict(m) for m in messages]
+        return chain, [self._shown.rendered(m) for m in messages]
 
     async def chat(
         self, messages: Sequence[Message], tools: Sequence[dict[str, Any]], sampling: Sampling
@@ -255,7 +292,14 @@ class CallChains:
         chain.calls.append(turn)
         self.last_chain = chain
         reply = read_reply(result, parse_calls=bool(tools), id_prefix=f"c{turn}")  # as the gateway answers
-        chain.history.append(_Reply(result.text, [(call.name, call.arguments) for call in reply.calls]))
+        sampled = _Reply(
+            result.text,
+            [(call.name, call.arguments) for call in reply.calls],
+            shown=reply.content,
+            exact=bool(result.token_ids),
+        )
+        chain.history.append(sampled)
+        self._shown.add(sampled)
         self.last_conversation, self.messages_cut = capped_conversation(
             [*messages, {"role": "assistant", "content": result.text}], self._message_budget
         )

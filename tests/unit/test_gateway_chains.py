@@ -20,6 +20,7 @@ from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.llm.factory import build_backend
 from prorl_server.llm.router import BackendRouter
+from prorl_server.testing.scripted_llm import ScriptedChatBackend
 from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
 
 SAMPLING = Sampling(max_tokens=256, temperature=1.0)
@@ -161,3 +162,67 @@ async def test_a_failed_call_sent_again_continues_its_chain_with_every_token_ver
     assert chains.outage is None
     (chain,) = chains.token_chains()
     assert chain.calls == [0, 2] and len(chain.policy_versions) == len(chain.token_ids)
+
+
+# --- a conversation rendered whole shows each earlier reply's calls once ----------------------------
+
+QWEN_TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "chat_templates" / "Qwen--Qwen2.5-7B-Instruct.jinja"
+LS_CALL = '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
+
+
+def put_back(result: ChatResult, call_id: str) -> dict[str, Any]:
+    """The reply as the gateway hands it to the chains (gateway/common.py's ChatTurns): the sampled
+    text put back, markup and all, with the program's structured call."""
+    return {**echoed(result, call_id), "content": result.text}
+
+
+async def test_a_new_chain_renders_an_earlier_replys_call_once(tmp_path: Path) -> None:
+    """A program that edits its history (Claude Code's compaction) starts a new chain whose first
+    prompt renders the whole conversation: the earlier reply's call must appear once, as the
+    template writes structured calls, not also as the markup of the sampled text."""
+    folder = write_tiny_tokenizer(tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN_TEMPLATE.read_text()}))
+    server = FakeVLLM(folder, lambda prompt: LS_CALL)
+    await server.start()
+    backend_router = BackendRouter(health_interval_s=0)
+    settings = BackendSettings(id="v", kind="vllm", base_url=server.base_url, tokenizer_path=str(folder))
+    backend_router.add(build_backend(settings, timeout_s=5, max_retries=0))
+    try:
+        chains = CallChains("job", backend_router)
+        first = await chains.chat([SYSTEM, {"role": "user", "content": "List the files."}], TOOLS, SAMPLING)
+        server.script = lambda prompt: "One file."
+        tool = {"role": "tool", "tool_call_id": "c1", "name": "bash", "content": "a.txt"}
+        edited = [SYSTEM, {"role": "user", "content": "List every file."}, put_back(first, "c1"), tool]
+        second = await chains.chat(edited, TOOLS, SAMPLING)
+        third = [*edited, {"role": "assistant", "content": second.text}, {"role": "user", "content": "Thanks."}]
+        await chains.chat(third, TOOLS, SAMPLING)
+    finally:
+        await backend_router.close()
+        await server.stop()
+    rendered = server.tokenizer.decode(server.requests[1]["prompt"])
+    assert rendered.count("command") == 1, rendered  # the call's one argument
+    # The new chain goes on as one exact chain: its history is sent the same way every time.
+    assert sorted(chain.calls for chain in chains.token_chains()) == [[0], [1, 2]]
+
+
+async def test_a_chat_backend_sees_each_earlier_call_once() -> None:
+    """A chat backend renders the whole conversation on every call: it gets the reply's text
+    without the markup and the structured call, on a continued chain and a new one alike."""
+    backend = ScriptedChatBackend([LS_CALL, "One file.", "Done."])
+    backend_router = BackendRouter(health_interval_s=0)
+    backend_router.add(backend)
+    try:
+        chains = CallChains("job", backend_router)
+        task = [SYSTEM, {"role": "user", "content": "List the files."}]
+        first = await chains.chat(task, TOOLS, SAMPLING)
+        tool = {"role": "tool", "tool_call_id": "c1", "name": "bash", "content": "a.txt"}
+        await chains.chat([*task, put_back(first, "c1"), tool], TOOLS, SAMPLING)
+        edited = [SYSTEM, {"role": "user", "content": "List every file."}, put_back(first, "c1"), tool]
+        await chains.chat(edited, TOOLS, SAMPLING)
+    finally:
+        await backend_router.close()
+    for request in backend.requests[1:]:
+        reply = request.messages[2]
+        assert reply["tool_calls"][0]["function"]["name"] == "bash"
+        assert "<tool_call>" not in (reply["content"] or ""), reply
