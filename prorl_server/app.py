@@ -403,6 +403,7 @@ class ProrlServer:
                 self.stats,
                 server_id=self.settings.server.instance_id,
                 cluster_view=self._cluster_view if cluster else None,
+                judge_router=self._judge_router if self._judge_router is not self._router else None,
             ),
             server,
         )

@@ -26,8 +26,12 @@ class AdminServicer(v1.AdminServiceServicer):
         *,
         server_id: str = "",
         cluster_view: ClusterView | None = None,
+        judge_router: BackendRouter | None = None,
     ) -> None:
+        """`judge_router`: the judges' own pool, listed beside the policy's (None: the judges share
+        the policy's pool, or there are none)."""
         self._router = router
+        self._judge_router = judge_router
         self._admin = administration
         self._stats = stats
         self._server_id = server_id
@@ -48,7 +52,14 @@ class AdminServicer(v1.AdminServiceServicer):
     async def ListBackends(  # noqa: N802
         self, request: v1.ListBackendsRequest, context: grpc.aio.ServicerContext
     ) -> v1.ListBackendsResponse:
-        return v1.ListBackendsResponse(backends=[backend_to_proto(e) for e in self._router.entries()])
+        return v1.ListBackendsResponse(
+            backends=[backend_to_proto(e) for e in self._router.entries()], judge_backends=self._judge_backends()
+        )
+
+    def _judge_backends(self) -> list[v1.Backend]:
+        if self._judge_router is None:
+            return []
+        return [backend_to_proto(e) for e in self._judge_router.entries()]
 
     async def Pause(  # noqa: N802
         self, request: v1.PauseRequest, context: grpc.aio.ServicerContext
@@ -98,6 +109,7 @@ class AdminServicer(v1.AdminServiceServicer):
                 v1.JobStatusCount(status=status, count=count) for status, count in sorted(stats.jobs_by_status.items())
             ],
             backends=[backend_to_proto(e) for e in stats.backends],
+            judge_backends=self._judge_backends(),
             policy_version=stats.policy_version,
             paused=stats.paused,
             server_id=self._server_id,

@@ -111,11 +111,18 @@ async def test_a_rubric_job_is_judged_by_the_judge_pool_alone(
     server = await serve(provider, player, judge)
     try:
         result = await run(server, INSTANCE)
+        async with Client.connect(server.address) as client:
+            policy_pool, judge_pool = await client.list_backends(), await client.list_judge_backends()
+            stats = await client.get_stats()
     finally:
         await server.stop()
 
     assert result.status == v1.JOB_STATUS_SUCCEEDED, result.failure
     assert result.reward == reward
+    # The operator sees both pools, each with its own load.
+    assert [(b.id, b.state.requests_total) for b in policy_pool] == [(player.info.id, 2)]
+    assert [(b.id, b.state.requests_total, b.state.healthy) for b in judge_pool] == [("grader", 1, True)]
+    assert [b.id for b in stats.judge_backends] == ["grader"] and [b.id for b in stats.backends] == [player.info.id]
     details = result.details
     assert details["verdict"] == "judged" and details["answer"] == answer
     assert dict(details["judge"]["scores"]) == scores and details["judge"]["backend"] == "grader"
@@ -175,9 +182,12 @@ async def test_the_policys_backends_judge_only_when_the_operator_says_so(provide
     server = await serve(provider, shared, None, use_policy_backends=True)
     try:
         result = await run(server, INSTANCE)
+        async with Client.connect(server.address) as client:
+            judge_pool = await client.list_judge_backends()
     finally:
         await server.stop()
     assert result.status == v1.JOB_STATUS_SUCCEEDED, result.failure
+    assert judge_pool == []  # no pool of its own: the judges share `backends`
     assert result.reward == 0.75 and result.details["judge"]["backend"] == "shared"
     assert len(shared.requests) == 2
 

@@ -370,6 +370,12 @@ class Client:
         response = await _unary(self._admin.ListBackends(v1.ListBackendsRequest(), metadata=self._metadata))
         return list(response.backends)
 
+    async def list_judge_backends(self) -> list[v1.Backend]:
+        """The judge pool's backends (settings `judge.*`), with their health and load; empty when
+        the judges share the policy's pool (judge.use_policy_backends)."""
+        response = await _unary(self._admin.ListBackends(v1.ListBackendsRequest(), metadata=self._metadata))
+        return list(response.judge_backends)
+
     async def pause(self, *, abort_in_flight: bool = False) -> v1.PauseResponse:
         """Stop new generation before a weight update (see AdminService.Pause)."""
         request = v1.PauseRequest(abort_in_flight=abort_in_flight)

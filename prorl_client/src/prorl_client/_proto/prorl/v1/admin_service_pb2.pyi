@@ -152,10 +152,12 @@ class ListBackendsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListBackendsResponse(_message.Message):
-    __slots__ = ("backends",)
+    __slots__ = ("backends", "judge_backends")
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    JUDGE_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     backends: _containers.RepeatedCompositeFieldContainer[Backend]
-    def __init__(self, backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ...) -> None: ...
+    judge_backends: _containers.RepeatedCompositeFieldContainer[Backend]
+    def __init__(self, backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., judge_backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("include_cluster",)
@@ -184,7 +186,7 @@ class JobStatusCount(_message.Message):
     def __init__(self, status: _Optional[_Union[_rollout_pb2.JobStatus, str]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("phases", "sandboxes_busy", "jobs", "backends", "pools", "policy_version", "paused", "server_id", "servers", "cluster_jobs")
+    __slots__ = ("phases", "sandboxes_busy", "jobs", "backends", "pools", "policy_version", "paused", "server_id", "servers", "cluster_jobs", "judge_backends")
     PHASES_FIELD_NUMBER: _ClassVar[int]
     SANDBOXES_BUSY_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +197,7 @@ class GetStatsResponse(_message.Message):
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_JOBS_FIELD_NUMBER: _ClassVar[int]
+    JUDGE_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     phases: _containers.RepeatedCompositeFieldContainer[PhaseStats]
     sandboxes_busy: int
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatusCount]
@@ -205,7 +208,8 @@ class GetStatsResponse(_message.Message):
     server_id: str
     servers: _containers.RepeatedCompositeFieldContainer[ServerSummary]
     cluster_jobs: _containers.RepeatedCompositeFieldContainer[JobStatusCount]
-    def __init__(self, phases: _Optional[_Iterable[_Union[PhaseStats, _Mapping]]] = ..., sandboxes_busy: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatusCount, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[SandboxPoolStats, _Mapping]]] = ..., policy_version: _Optional[int] = ..., paused: _Optional[bool] = ..., server_id: _Optional[str] = ..., servers: _Optional[_Iterable[_Union[ServerSummary, _Mapping]]] = ..., cluster_jobs: _Optional[_Iterable[_Union[JobStatusCount, _Mapping]]] = ...) -> None: ...
+    judge_backends: _containers.RepeatedCompositeFieldContainer[Backend]
+    def __init__(self, phases: _Optional[_Iterable[_Union[PhaseStats, _Mapping]]] = ..., sandboxes_busy: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatusCount, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[SandboxPoolStats, _Mapping]]] = ..., policy_version: _Optional[int] = ..., paused: _Optional[bool] = ..., server_id: _Optional[str] = ..., servers: _Optional[_Iterable[_Union[ServerSummary, _Mapping]]] = ..., cluster_jobs: _Optional[_Iterable[_Union[JobStatusCount, _Mapping]]] = ..., judge_backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ...) -> None: ...
 
 class ServerSummary(_message.Message):
     __slots__ = ("server_id", "address", "runs_jobs", "heartbeat_time", "live", "leases", "phases", "sandboxes_busy", "policy_version", "paused")
