@@ -170,6 +170,7 @@ class ProrlServer:
                 host=settings.server.host,
                 port=settings.server.gateway_port,
                 body_timeout_s=settings.gateway.body_timeout_s,
+                header_timeout_s=settings.gateway.header_timeout_s,
             )
             await self._gateway_server.start()
         self._forks = forks = ForkRegistry(

@@ -404,6 +404,9 @@ class GatewaySettings(_Section):
     much text; what is cut is marked, so a result stays under gRPC's default 4 MiB."""
     body_timeout_s: float = Field(60.0, gt=0)
     """Gateway port: time for a request's body once its headers are accepted."""
+    header_timeout_s: float = Field(30.0, gt=0)
+    """Gateway port: time for a request's whole head, from the connection's opening or its last
+    answer (an idle keep-alive connection is closed after it too)."""
 
 
 class Settings(_Section):

@@ -9,7 +9,10 @@ before the answer (a `GatewayHandler` is cancelled when the program closes its c
 Before a body is read, a handler with an `admit(request)` method (the server's gateway directory)
 is asked about the request's head: its refusal (a 401 for an unknown job or a bad key, a 413 for a
 declared body over the limit) is sent with nothing of the body read, and the connection closed.
-The body must then arrive within `body_timeout_s` (else 408 and the connection closed).
+The body must then arrive within `body_timeout_s` (else 408 and the connection closed). A
+connection must bring a request's whole head within `header_timeout_s` of being opened or of its
+last answer (aiohttp's keep-alive timer, which also runs on a fresh connection and is not reset by
+partial data): else it is closed, so a client trickling header bytes holds no connection for long.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 """Agents send the whole conversation on every call: far over aiohttp's 1 MiB default. The job's
 own limit (gateway.max_request_bytes, its gateway's `admit`) is usually lower."""
 BODY_TIMEOUT_S = 60.0
+HEADER_TIMEOUT_S = 30.0
+"""Also how long an idle keep-alive connection stays open (SDK clients drop theirs sooner: httpx
+after 5 s, Node's after 4 s)."""
 PIECE_BYTES = 1 << 20
 
 # Framing is aiohttp's to set.
@@ -125,6 +131,7 @@ class GatewayServer:
         host: str = "127.0.0.1",
         port: int = 0,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
     ) -> None:
         # A client that hangs up cancels its turn (aiohttp lets handlers run on by default). A body
         # left unread (a refusal) is not drained: the connection is closed (lingering_time 0).
@@ -133,6 +140,7 @@ class GatewayServer:
             access_log=None,
             handler_cancellation=True,
             lingering_time=0.0,
+            keepalive_timeout=header_timeout_s,
         )
         self.host = host
         self.port = port

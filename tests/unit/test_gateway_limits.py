@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -157,3 +158,44 @@ async def test_the_parsed_body_is_the_only_copy_the_call_keeps() -> None:
     response = await gateway(request)
     assert response.status == 200
     assert request.body == b""  # taken by the gateway, freed once parsed
+
+
+def trickle_head(port: int, pause_s: float) -> tuple[int, float]:
+    """Open a connection and send a request's head one byte per `pause_s`, never finishing it; the
+    bytes sent before the server closed it, and how long it stayed open."""
+    head = post_head("/jobs/job-1/v1/chat/completions", 10, Authorization=f"Bearer {KEY}").encode()
+    opened = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+        for sent, byte in enumerate(head[:-4]):  # the blank line that ends a head never comes
+            try:
+                sock.sendall(bytes([byte]))
+                time.sleep(pause_s)
+                sock.setblocking(False)
+                try:
+                    if sock.recv(1) == b"":
+                        return sent, time.monotonic() - opened
+                except BlockingIOError:
+                    pass
+                finally:
+                    sock.setblocking(True)
+            except (BrokenPipeError, ConnectionResetError):
+                return sent, time.monotonic() - opened
+    return len(head), time.monotonic() - opened
+
+
+async def test_a_head_trickled_in_does_not_hold_a_connection_past_the_header_time() -> None:
+    """Before: aiohttp's default (3,630 s) let a client that sends its head a byte at a time hold a
+    connection of the gateway port for an hour. Now the connection is closed at
+    gateway.header_timeout_s, however slowly the bytes keep coming."""
+    directory = GatewayDirectory()
+    directory.add("job-1", ModelGateway(HeldChat(), default_sampling=DEFAULT, api_key=KEY, limits=LIMITS))
+    server = GatewayServer(directory, header_timeout_s=1.0)
+    await server.start()
+    try:
+        sent, held_s = await asyncio.to_thread(trickle_head, server.port, 0.05)
+    finally:
+        await server.close()
+    head_bytes = len(post_head("/jobs/job-1/v1/chat/completions", 10, Authorization=f"Bearer {KEY}"))
+    # Closed while the head was still trickling in (each byte keeps it busy, none resets the clock).
+    assert sent < head_bytes - 4, (sent, held_s)
+    assert held_s >= 1.0
