@@ -42,6 +42,7 @@ clients on gRPC's default 4 MiB limit; what was cut is counted in `report()`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -50,7 +51,7 @@ from typing import Any
 
 from prorl_server.errors import LLMError
 from prorl_server.gateway.common import read_reply
-from prorl_server.gateway.sampling import clamp
+from prorl_server.gateway.sampling import as_rows, clamp
 from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.llm.job_chat import JobChat
 from prorl_server.llm.router import BackendRouter
@@ -267,6 +268,7 @@ class CallChains:
         chain, sent = self._chain_for(messages, digests, tools_key)
         turn = self.calls
         self.calls += 1
+        changed: dict[str, Any] = {}
         if self._job_sampling is not None:
             sampling, changed = clamp(sampling, self._job_sampling, program_sampling=self._program_sampling)
             if changed:
@@ -286,6 +288,8 @@ class CallChains:
             del sent
         self.outage = None
         chain.awaiting = False
+        if changed:
+            result = dataclasses.replace(result, sampling_changes=as_rows(changed))
         # Every token not yet versioned is this call's: its prompt (also one a failed attempt sent)
         # and its sample.
         chain.versions += [result.policy_version] * (len(chain.session.token_trajectory()[0]) - len(chain.versions))

@@ -14,11 +14,13 @@ under, so it is both the default and the ceiling of every call:
 - `model`: the job's (the program's `model` field is only echoed back).
 
 `clamp` returns the call's effective sampling and what it changed, as a small
-dict (field -> [asked, used]) that the job's chains keep per call (chains.py).
+dict (field -> [asked, used]) that the job's chains keep per call (chains.py);
+`as_rows` writes it as the call's model-turn event carries it.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -57,7 +59,7 @@ def clamp(asked: Sampling, job: Sampling, *, program_sampling: bool = False) -> 
             changed[name] = [before, after]
     dropped = [stop for stop in asked.stop if stop not in used.stop]
     if dropped:
-        changed["stop"] = {"dropped": len(dropped), "kept": len(used.stop)}
+        changed["stop"] = {"asked": len(asked.stop), "dropped": len(dropped), "kept": len(used.stop)}
     if asked.chat_template_kwargs != used.chat_template_kwargs:
         keys = sorted(
             k
@@ -66,3 +68,20 @@ def clamp(asked: Sampling, job: Sampling, *, program_sampling: bool = False) -> 
         )
         changed["chat_template_kwargs"] = {"dropped": keys[:16]}
     return used, changed
+
+
+def _shown(value: Any) -> str:
+    return "" if value is None else json.dumps(value)
+
+
+def as_rows(changed: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """`clamp`'s changes as (field, asked, used) strings, for reading (the ModelTurn event)."""
+    rows = []
+    for name, change in changed.items():
+        if name == "stop":
+            rows.append((name, f"{change['asked']} strings", f"{change['kept']} strings"))
+        elif name == "chat_template_kwargs":
+            rows.append((name, ", ".join(change["dropped"]), "the job's"))
+        else:
+            rows.append((name, _shown(change[0]), _shown(change[1])))
+    return tuple(rows)

@@ -80,6 +80,10 @@ def agent_event(event: AgentEvent) -> dict[str, Any]:
                 logprobs_mode=LOGPROBS_MODES.get(event.logprobs_mode, v1.LOGPROBS_MODE_UNSPECIFIED),
                 token_offset=result.token_offset,
                 resampled=result.resampled,
+                sampling_changes=[
+                    v1.SamplingChange(field=name, asked=asked, used=used)
+                    for name, asked, used in result.sampling_changes
+                ],
             )
         }
     if isinstance(event, ToolCallEvent):

@@ -93,6 +93,9 @@ class ChatResult:
     """A Pause aborted this turn while it was being sampled; it was sampled again after Resume."""
     routed_experts: RoutedExperts | None = None
     """Token backends of MoE models that report it: the routing of the prompt and the sampled ids."""
+    sampling_changes: tuple[tuple[str, str, str], ...] = ()
+    """A gateway call's sampling fields that the job's overrode: (field, asked, used), for reading
+    (gateway/sampling.py)."""
 
 
 @dataclass

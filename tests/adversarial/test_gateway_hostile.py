@@ -336,9 +336,20 @@ async def test_the_trainers_sampling_wins_over_the_programs(stopping: list[Any])
     server, provider = await serve(backend)
     stopping.append((server, provider, backend))
     async with Client.connect(server.address) as client:
-        result = await result_of(client, program_request(SAMPLING_PROGRAM))
+        turns = []
+        async for event in client.rollout(program_request(SAMPLING_PROGRAM)):
+            if event.HasField("model_turn"):
+                turns.append(event.model_turn)
+            if event.HasField("finished"):
+                result = event.finished.result
         chosen = await result_of(client, program_request(SAMPLING_PROGRAM, sampling="program"))
     assert result.status == chosen.status == v1.JOB_STATUS_SUCCEEDED, (result, chosen)
+    # Each call's event says what was overridden, as it was sent.
+    assert [len(turn.sampling_changes) for turn in turns] == [6, 6]
+    rows = {change.field: (change.asked, change.used) for change in turns[1].sampling_changes}
+    assert rows["max_tokens"] == (str(2**62), "64") and rows["seed"] == ("7", "") and rows["top_p"] == ("0.01", "")
+    assert rows["stop"] == ("10000 strings", "16 strings") and rows["temperature"][0] == "2.0"
+    assert rows["chat_template_kwargs"] == ("add_generation_prompt, bos_token, chat_template", "the job's")
     job_calls, chosen_calls = backend.samplings[:2], backend.samplings[2:]
     for sampling in job_calls:
         assert sampling.max_tokens == 64 and sampling.temperature == pytest.approx(0.6)

@@ -36,7 +36,7 @@ def test_the_jobs_sampling_is_the_ceiling_and_the_default() -> None:
     assert used.stop[0] == "</answer>" and len(used.stop) == clamping.MAX_STOP_STRINGS
     assert changed["max_tokens"] == [2**62, 512]
     assert changed["temperature"] == [2.0, 1.0] and changed["top_p"] == [0.01, None] and changed["seed"] == [123, None]
-    assert changed["stop"] == {"dropped": 10_000 - 15, "kept": 16}
+    assert changed["stop"] == {"asked": 10_001, "dropped": 10_000 - 15, "kept": 16}
     assert changed["chat_template_kwargs"] == {"dropped": ["add_generation_prompt", "bos_token", "chat_template"]}
 
 
@@ -62,4 +62,4 @@ def test_stop_strings_are_bounded_as_submit_bounds_them() -> None:
         validation.MAX_STOP_CHARS,
     )
     used, changed = clamp(Sampling(max_tokens=1, temperature=1.0, stop=("", "x" * 257, "ok")), JOB)
-    assert used.stop == ("</answer>", "ok") and changed["stop"] == {"dropped": 2, "kept": 2}
+    assert used.stop == ("</answer>", "ok") and changed["stop"] == {"asked": 3, "dropped": 2, "kept": 2}

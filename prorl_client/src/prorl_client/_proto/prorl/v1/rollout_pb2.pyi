@@ -413,7 +413,7 @@ class PhaseStarted(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., queue_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ModelTurn(_message.Message):
-    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version", "switched_from_backend", "prefill", "decode", "logprobs_mode", "token_offset", "resampled", "model_wait")
+    __slots__ = ("turn", "prompt_token_count", "completion_token_count", "token_ids", "logprobs", "text", "finish_reason", "backend_id", "latency", "policy_version", "switched_from_backend", "prefill", "decode", "logprobs_mode", "token_offset", "resampled", "model_wait", "sampling_changes")
     TURN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +431,7 @@ class ModelTurn(_message.Message):
     TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RESAMPLED_FIELD_NUMBER: _ClassVar[int]
     MODEL_WAIT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_CHANGES_FIELD_NUMBER: _ClassVar[int]
     turn: int
     prompt_token_count: int
     completion_token_count: int
@@ -448,7 +449,18 @@ class ModelTurn(_message.Message):
     token_offset: int
     resampled: bool
     model_wait: _duration_pb2.Duration
-    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ..., switched_from_backend: _Optional[str] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., token_offset: _Optional[int] = ..., resampled: _Optional[bool] = ..., model_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    sampling_changes: _containers.RepeatedCompositeFieldContainer[SamplingChange]
+    def __init__(self, turn: _Optional[int] = ..., prompt_token_count: _Optional[int] = ..., completion_token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., backend_id: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., policy_version: _Optional[int] = ..., switched_from_backend: _Optional[str] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., token_offset: _Optional[int] = ..., resampled: _Optional[bool] = ..., model_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., sampling_changes: _Optional[_Iterable[_Union[SamplingChange, _Mapping]]] = ...) -> None: ...
+
+class SamplingChange(_message.Message):
+    __slots__ = ("field", "asked", "used")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    ASKED_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    asked: str
+    used: str
+    def __init__(self, field: _Optional[str] = ..., asked: _Optional[str] = ..., used: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("turn", "call")
