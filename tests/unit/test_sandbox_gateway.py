@@ -344,6 +344,56 @@ print(json.dumps([chunked, expect, too_big]))
     await gateway.close()
 
 
+async def test_the_runtimes_refusals_speak_the_format_of_the_api_called(sandbox: Sandbox) -> None:
+    """A 413 (or a malformed head) answered by the runtime itself is in the error format of the
+    API the path names, as the server's gateway answers: the SDKs of Anthropic and Google read it
+    (a Gemini path used to get OpenAI's shape)."""
+    gateway = await sandbox.open_gateway(lambda request: asyncio.sleep(0, json_response({})))
+    output = await inside(
+        sandbox,
+        gateway,
+        r"""
+import json, socket
+def refusal(path, extra=""):
+    s = socket.create_connection(("127.0.0.1", PORT), timeout=30)
+    s.sendall(("POST %s HTTP/1.1\r\nHost: x\r\n%sContent-Length: 70000000\r\n\r\n" % (path, extra)).encode())
+    answer = b""
+    while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < 10:
+        piece = s.recv(65536)
+        if not piece:
+            break
+        answer += piece
+    head, body = answer.split(b"\r\n\r\n", 1)
+    return [int(head.split(b" ")[1]), json.loads(body)]
+paths = ["/v1/chat/completions", "/v1/messages", "/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=sse",
+         "/v1/models/m:countTokens"]
+print(json.dumps([refusal(p) for p in paths] + [refusal(paths[2], "Bad Header\r\n")]))
+""",
+    )
+    openai_, anthropic_, google, google_count, google_bad = json.loads(output)
+    assert openai_[0] == 413 and openai_[1]["error"]["code"] == "request_too_large"
+    assert anthropic_ == [413, {"type": "error", "error": {"type": "request_too_large", "message": ANY_TEXT}}]
+    for status, body in (google, google_count):
+        assert status == 413 and body["error"]["code"] == 413 and body["error"]["status"] == "INVALID_ARGUMENT"
+        assert "gateway.max_request_bytes" in body["error"]["message"]
+    assert google_bad[0] == 400 and google_bad[1]["error"] == {
+        "code": 400,
+        "message": ANY_TEXT,
+        "status": "INVALID_ARGUMENT",
+    }
+    await gateway.close()
+
+
+class _AnyText(str):
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and bool(other)
+
+    __hash__ = str.__hash__
+
+
+ANY_TEXT = _AnyText()
+
+
 async def test_large_bodies_cross_whole_both_ways(sandbox: Sandbox) -> None:
     """Megabytes each way: a request body sent in slices, a response split into chunk frames,
     and a streamed piece larger than one frame."""

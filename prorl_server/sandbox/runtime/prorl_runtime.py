@@ -1264,22 +1264,36 @@ UNSAFE_TEXT = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 class HttpError(Exception):
     """A request the gateway refuses: answered with `status`, then the connection is closed;
-    in Anthropic's error format when `anthropic` (a /v1/messages path), else OpenAI's."""
+    in the error format of the request's API (`api`: see _api_of)."""
 
-    def __init__(self, status, message, anthropic=False):
+    def __init__(self, status, message, api="openai"):
         Exception.__init__(self, message)
         self.status = status
         self.message = message
-        self.anthropic = anthropic
+        self.api = api
+
+
+ANTHROPIC_PATHS = ("/v1/messages", "/messages", "/v1/messages/count_tokens", "/messages/count_tokens")
+# As the server's Gemini routes (gateway/google_generate.py ROUTE and LIST).
+GOOGLE_PATH = re.compile(r"/(?:v1beta|v1alpha|v1)?/?models/[^/:]+:[A-Za-z]+|/(?:v1beta|v1alpha)/models(?:/[^/:]+)?")
+
+
+def _api_of(path):
+    """Whose error format a request's path speaks: "anthropic", "google" or "openai"."""
+    path = (path or "").split("?", 1)[0].rstrip("/")
+    if path in ANTHROPIC_PATHS:
+        return "anthropic"
+    if GOOGLE_PATH.fullmatch(path):
+        return "google"
+    return "openai"
 
 
 def _too_large(max_body, path):
-    anthropic = path.split("?", 1)[0].rstrip("/") in ("/v1/messages", "/messages", "/v1/messages/count_tokens")
     message = (
         "the request body is larger than %d bytes, the most this gateway takes per call "
         "(setting gateway.max_request_bytes): send a shorter conversation" % max_body
     )
-    return HttpError(413, message, anthropic)
+    return HttpError(413, message, _api_of(path))
 
 
 def _cloexec(fd):
@@ -1309,16 +1323,22 @@ def _peer_gone(sock):
         return True
 
 
-def _send_error(sock, status, message, anthropic=False):
-    if status == 413 and anthropic:
-        error = {"type": "error", "error": {"type": "request_too_large", "message": message}}
-    elif status == 413:
-        error = {
-            "error": {"message": message, "type": "invalid_request_error", "param": None, "code": "request_too_large"}
-        }
-    else:
-        error = {"error": {"message": message, "type": "gateway_error"}}
-    body = json.dumps(error).encode("utf-8")
+def _error_body(status, message, api):
+    """The refusal in the error format of the request's API, as the server's gateway writes it."""
+    if api == "anthropic":
+        kind = "request_too_large" if status == 413 else "api_error" if status >= 500 else "invalid_request_error"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    if api == "google":
+        name = "UNAVAILABLE" if status == 503 else "INTERNAL" if status >= 500 else "INVALID_ARGUMENT"
+        return {"error": {"code": status, "message": message, "status": name}}
+    if status == 413:
+        error = {"message": message, "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+        return {"error": error}
+    return {"error": {"message": message, "type": "gateway_error"}}
+
+
+def _send_error(sock, status, message, api="openai"):
+    body = json.dumps(_error_body(status, message, api)).encode("utf-8")
     head = "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (
         status,
         _reason(status),
@@ -1403,6 +1423,15 @@ def read_http_request(reader, sock, max_body=GATEWAY_MAX_BODY):
     if version not in ("HTTP/1.0", "HTTP/1.1"):
         raise HttpError(505, "only HTTP/1.0 and HTTP/1.1 are served")
     path = _request_target(target)
+    try:
+        return _read_rest(reader, sock, max_body, method, path, version)
+    except HttpError as exc:  # refused in the format of the API the path names
+        exc.api = _api_of(path)
+        raise
+
+
+def _read_rest(reader, sock, max_body, method, path, version):
+    """The headers and body of a request whose request line was read (see read_http_request)."""
     headers = []
     total = 0
     while True:
@@ -1695,7 +1724,7 @@ class Gateway:
         try:
             request = read_http_request(reader, sock, self.max_body)
         except HttpError as exc:
-            _send_error(sock, exc.status, exc.message, exc.anthropic)
+            _send_error(sock, exc.status, exc.message, exc.api)
             return False
         except (OSError, ValueError):  # reset, timed out, closed under it
             return False
@@ -1710,13 +1739,13 @@ class Gateway:
                 number = self.counter
                 exchange = self.exchanges[number] = GatewayExchange()
         if exchange is None:
-            _send_error(sock, 503, "the gateway is closed")
+            _send_error(sock, 503, "the gateway is closed", _api_of(path))
             return False
         try:
             message = {"gw": number, "type": "request", "method": method, "path": path, "headers": headers}
             self.send(message, body)
             del request, body
-            return self.relay_response(sock, exchange, number, method, version, keep)
+            return self.relay_response(sock, exchange, number, method, version, keep, _api_of(path))
         finally:
             self.forget(number)
 
@@ -1731,7 +1760,7 @@ class Gateway:
                 self.cancel(number)
                 return None
 
-    def relay_response(self, sock, exchange, number, method, version, keep):
+    def relay_response(self, sock, exchange, number, method, version, keep, api="openai"):
         frame = self.next_frame(sock, exchange, number)
         if frame is None:
             return False
@@ -1740,7 +1769,7 @@ class Gateway:
         if kind != "response" or not isinstance(status, int) or not 200 <= status <= 599:
             if kind == "response" or kind not in ("closed", "overflow"):
                 self.cancel(number)
-                _send_error(sock, 502, "the server sent a malformed response")
+                _send_error(sock, 502, "the server sent a malformed response", api)
             return False
         lines = []
         lengths = set()
