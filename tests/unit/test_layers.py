@@ -214,6 +214,16 @@ def test_nothing_below_jobs_builds_a_protobuf_message() -> None:
     assert building == []
 
 
+def test_the_client_package_never_imports_the_server() -> None:
+    client = ROOT / "prorl_client" / "src" / "prorl_client"
+    importing = [
+        str(path.relative_to(ROOT))
+        for path in sorted(client.rglob("*.py"))
+        if any(unit_of(module) is not None for module in imported_modules(path))
+    ]
+    assert importing == []
+
+
 def test_the_root_package_imports_nothing_of_its_own() -> None:
     assert [m for m in imported_modules(PACKAGE / "__init__.py") if unit_of(m) is not None] == []
 
