@@ -12,11 +12,11 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
@@ -470,13 +470,44 @@ def parse_assignments(assignments: list[str]) -> dict[str, Any]:
     return result
 
 
+def url_password(url: str) -> str:
+    """The password `url` carries, in its user part or a `password=` parameter ("" when none)."""
+    try:
+        parts = urlsplit(url)
+        query = parse_qsl(parts.query)
+    except ValueError:
+        return ""
+    return parts.password or next((value for key, value in query if key.lower() == "password"), "")
+
+
+def mask_url(url: str) -> str:
+    """`url` fit for messages and logs: its password (in the user part or a `password=` parameter)
+    replaced by ***; any other string as it is. A URL too malformed to read shows only its scheme."""
+    try:
+        parts = urlsplit(url)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+    except ValueError:
+        return f"{url.partition(':')[0]}://***"
+    netloc, masked_query = parts.netloc, parts.query
+    userinfo, at, hostport = netloc.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    if at and colon:
+        netloc = f"{user}:***@{hostport}"
+    if any(key.lower() == "password" for key, _ in query):
+        masked = [(key, "***" if key.lower() == "password" else value) for key, value in query]
+        masked_query = urlencode(masked, safe="/*")
+    if (netloc, masked_query) == (parts.netloc, parts.query):
+        return url
+    return urlunsplit((parts.scheme, netloc, parts.path, masked_query, parts.fragment))
+
+
 def _describe(error: ValidationError) -> str:
     lines = []
     for problem in error.errors():
         where = ".".join(str(part) for part in problem["loc"]) or "(root)"
         got = problem.get("input")
         if isinstance(got, str):  # a URL's password is never echoed back
-            got = re.sub(r"(//[^/@:]*):[^/@]*@", r"\1:***@", got)
+            got = mask_url(got)
         detail = problem["msg"]
         if problem["type"] == "extra_forbidden":
             detail = "unknown setting (check the spelling against docs/operations.md)"

@@ -27,7 +27,7 @@ from prorl_server.agents.branching import Branching
 from prorl_server.agents.outcomes import EvalOutcome, FailureInfo, Limits, RunOutcome
 from prorl_server.agents.recorder import TrajectoryRecorder
 from prorl_server.errors import InfrastructureError, InvalidArgument, PolicyError
-from prorl_server.llm.base import ChatResult, Sampling
+from prorl_server.llm.base import ChatFn, Sampling
 from prorl_server.sandbox.base import Sandbox
 from prorl_server.sandbox.output import cap_text
 from prorl_server.sandbox.snapshot import DEFAULT_ROOTS, Root
@@ -37,7 +37,6 @@ from prorl_server.verifiers.judge import JobJudge
 __all__ = [
     "AgentHandler",
     "AnyHandler",
-    "ChatFn",
     "EvalOutcome",
     "FailureInfo",
     "Limits",
@@ -48,8 +47,6 @@ __all__ = [
     "classify",
 ]
 
-ChatFn = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]], Sampling], Awaitable[ChatResult]]
-"""One model turn: (messages, tool schemas, sampling) -> the reply (the job's LLM session)."""
 SandboxFactory = Callable[[], Awaitable[Sandbox]]
 """Starts a sandbox of the job's image."""
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prorl_server.agents.outcomes import ToolOutput
-from prorl_server.agents.tool_calls import ParsedCall
 from prorl_server.llm.base import ChatResult
+from prorl_server.llm.tool_calls import ParsedCall
 
 
 @dataclass(frozen=True)

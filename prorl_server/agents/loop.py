@@ -10,10 +10,10 @@ from typing import Any, cast
 
 from prorl_server.agents.base import AgentHandler, InstanceT, OutcomeT, RolloutContext
 from prorl_server.agents.outcomes import RunOutcome, ToolOutput
-from prorl_server.agents.tool_calls import ParsedCall, format_hint, from_api, parse_text
 from prorl_server.agents.tools import Tool
 from prorl_server.errors import ContextLengthExceeded
 from prorl_server.llm.base import ChatResult
+from prorl_server.llm.tool_calls import ParsedCall, format_hint, from_api, parse_text
 
 
 def describe_tools(tools: Sequence[Tool]) -> str:

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 from prorl_server.agents.events import EventSink, ModelTurnEvent, ToolCallEvent, ToolResultEvent, TurnSpan
 from prorl_server.agents.outcomes import ToolOutput
-from prorl_server.agents.tool_calls import ParsedCall
 from prorl_server.llm.base import ChatResult, RoutedExperts
+from prorl_server.llm.tool_calls import ParsedCall
 from prorl_server.sandbox.output import cap_text
 
 TOOL_OUTPUT_BUDGET_BYTES = 1 << 20

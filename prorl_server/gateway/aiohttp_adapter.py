@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from aiohttp import web
 
+from prorl_server.sandbox.runtime.prorl_runtime import HOP_BY_HOP
 from prorl_server.sandbox.runtime.relay import GatewayHandler, HttpRequest, HttpResponse
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -33,9 +34,6 @@ HEADER_TIMEOUT_S = 30.0
 after 5 s, Node's after 4 s)."""
 PIECE_BYTES = 1 << 20
 
-# Framing is aiohttp's to set.
-_HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
-
 
 def to_http_request(request: web.Request, body: bytes = b"") -> HttpRequest:
     headers: dict[str, str] = {}
@@ -46,7 +44,9 @@ def to_http_request(request: web.Request, body: bytes = b"") -> HttpRequest:
 
 
 def _headers(response: HttpResponse) -> dict[str, str]:
-    return {name: value for name, value in response.headers.items() if name.lower() not in _HOP_HEADERS}
+    """The answer's end-to-end headers. The hop-by-hop ones (RFC 9110 section 7.6.1) and the framing
+    (aiohttp's to set) are dropped: the one list the sandbox's relay drops too."""
+    return {name: value for name, value in response.headers.items() if name.lower() not in HOP_BY_HOP}
 
 
 async def write_response(request: web.Request, response: HttpResponse) -> web.StreamResponse:

@@ -46,7 +46,6 @@ from urllib.parse import parse_qs, urlsplit
 
 import structlog
 
-from prorl_server.agents.base import ChatFn
 from prorl_server.config import GatewaySettings
 from prorl_server.errors import (
     AlreadyExists,
@@ -62,7 +61,7 @@ from prorl_server.errors import (
 )
 from prorl_server.gateway import anthropic_messages, google_generate, openai_chat, openai_responses
 from prorl_server.gateway.common import ChatTurns, GatewayError, json_response, parse_body
-from prorl_server.llm.base import Sampling
+from prorl_server.llm.base import ChatFn, Sampling
 from prorl_server.sandbox.runtime.relay import HttpRequest, HttpResponse
 
 log = structlog.get_logger(__name__)

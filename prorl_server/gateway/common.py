@@ -30,9 +30,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from prorl_server.agents.base import ChatFn
-from prorl_server.agents.tool_calls import ParsedCall, from_api, parse_text, text_without_calls
-from prorl_server.llm.base import ChatResult, Sampling
+from prorl_server.llm.base import ChatFn, ChatResult, Sampling
+from prorl_server.llm.tool_calls import ParsedCall, from_api, parse_text, text_without_calls
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
 

@@ -42,11 +42,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
 import asyncpg
 
 from prorl_client import v1
+from prorl_server.config import mask_url, url_password
 from prorl_server.jobs.store import (
     FeedBounds,
     FeedEntry,
@@ -55,7 +55,6 @@ from prorl_server.jobs.store import (
     JobStoreError,
     Record,
     StoredJob,
-    mask_url,
     records,
 )
 
@@ -441,7 +440,7 @@ class PostgresJobStore(JobStore):
 
     def _reason(self, exc: BaseException) -> str:
         text = str(exc) or type(exc).__name__
-        password = _password(self.url)
+        password = url_password(self.url)
         if password:
             text = text.replace(password, "***")
         return f"{text} ({type(exc).__name__})"
@@ -463,15 +462,6 @@ async def _feed_bounds(conn: Any) -> FeedBounds:
     # committed row is a head a reader may pass (writes commit in position order).
     head = await conn.fetchval("SELECT COALESCE(max(position), 0) FROM event_feed")
     return FeedBounds(meta["store_id"], max(int(head), int(meta["trimmed"])), int(meta["trimmed"]))
-
-
-def _password(url: str) -> str:
-    try:
-        parts = urlsplit(url)
-        query = dict(parse_qsl(parts.query))
-        return parts.password or query.get("password", "")
-    except ValueError:
-        return ""
 
 
 def _decode(jobs: Sequence[Any], events: Sequence[Any]) -> list[StoredJob]:

@@ -29,7 +29,6 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from prorl_client import v1
 from prorl_server.errors import ProrlError
@@ -207,24 +206,6 @@ def unpack_events(blob: bytes | None) -> list[v1.RolloutEvent]:
         events.append(v1.RolloutEvent.FromString(blob[offset : offset + size]))
         offset += size
     return events
-
-
-def mask_url(url: str) -> str:
-    """A database URL fit for messages and logs: its password (in the user part or
-    a `password=` parameter) replaced by ***."""
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-        if "@" in netloc:
-            userinfo, _, hostport = netloc.rpartition("@")
-            user, colon, _password = userinfo.partition(":")
-            netloc = f"{user}:***@{hostport}" if colon else netloc
-        query = urlencode(
-            [(key, "***" if key.lower() == "password" else value) for key, value in parse_qsl(parts.query)], safe="/*"
-        )
-        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-    except ValueError:
-        return f"{url.partition(':')[0]}://***"
 
 
 def __getattr__(name: str) -> Any:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prorl_server.config import ConfigError, Settings
-from prorl_server.jobs.store import JobStore, mask_url
+from prorl_server.config import ConfigError, Settings, mask_url
+from prorl_server.jobs.store import JobStore
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 

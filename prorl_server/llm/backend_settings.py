@@ -43,7 +43,7 @@ ToolCallParser = Literal[
     "granite",
 ]
 """Tool-call formats a model may write in its text (vLLM's --tool-call-parser names); the
-parsers themselves are in agents/tool_calls.py."""
+parsers themselves are in llm/tool_calls.py."""
 
 LogprobsMode = Literal["processed", "raw"]
 

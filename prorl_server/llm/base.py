@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -13,7 +13,7 @@ from prorl_server.llm.chat_template import ChatTokenizer
 
 TOOL_CALL_PARSERS: tuple[ToolCallParser, ...] = get_args(ToolCallParser)
 """Tool-call formats a model may write in its text (vLLM's --tool-call-parser names); the
-parsers themselves are in agents/tool_calls.py."""
+parsers themselves are in llm/tool_calls.py."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class ChatResult:
     prefill_s: float | None = None
     decode_s: float | None = None
     tool_call_parser: str = ""
-    """How to read tool calls written in `text` (agents/tool_calls.py PARSERS); "" for the default."""
+    """How to read tool calls written in `text` (llm/tool_calls.py PARSERS); "" for the default."""
     tool_role: bool = False
     """Whether results of calls written in `text` go back as `tool` messages: token backends whose
     template renders a tool role. (Calls from the API's `tool_calls` always do.)"""
@@ -96,6 +96,10 @@ class ChatResult:
     sampling_changes: tuple[tuple[str, str, str], ...] = ()
     """A gateway call's sampling fields that the job's overrode: (field, asked, used), for reading
     (gateway/sampling.py)."""
+
+
+ChatFn = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]], Sampling], Awaitable[ChatResult]]
+"""One model turn: (messages, tool schemas, sampling) -> the reply (the job's LLM session)."""
 
 
 @dataclass

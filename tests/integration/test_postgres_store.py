@@ -20,13 +20,13 @@ import pytest_asyncio
 from prorl_client import Client, v1
 from prorl_server.agents.registry import default_registry
 from prorl_server.app import ProrlServer
-from prorl_server.config import ConfigError, Settings, load_settings
+from prorl_server.config import ConfigError, Settings, load_settings, mask_url
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.phases import phase_gates
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.postgres_store import MIGRATIONS, Migration, PostgresJobStore
 from prorl_server.jobs.sqlite_store import SQLiteJobStore
-from prorl_server.jobs.store import JobStore, JobStoreError, mask_url
+from prorl_server.jobs.store import JobStore, JobStoreError
 from prorl_server.jobs.store import SQLiteJobStore as SQLiteJobStoreOldPath
 from prorl_server.jobs.store_factory import build_store, open_store
 from prorl_server.llm.router import BackendRouter

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from prorl_server.config import ConfigError, load_settings, parse_assignments
+from prorl_server.config import ConfigError, load_settings, mask_url, parse_assignments, url_password
 
 
 def test_defaults_are_valid() -> None:
@@ -125,3 +125,45 @@ def test_warm_pools_are_checked_like_requests(tmp_path: Path) -> None:
     config.write_text("[[sandbox.warm_pools]]\ncpus = -1\n")
     with pytest.raises(ConfigError, match="cpus"):
         load_settings(config, environ={})
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://prorl:s3cret@db:5432/jobs", "postgresql://prorl:***@db:5432/jobs"),
+        ("postgresql://db/jobs?user=u&password=s3cret", "postgresql://db/jobs?user=u&password=***"),
+        ("postgresql://db/jobs?PASSWORD=s3cret&sslmode", "postgresql://db/jobs?PASSWORD=***&sslmode="),
+        ("postgresql://u:@db/jobs", "postgresql://u:***@db/jobs"),
+        ("http://u:s3cret@[::1/v1", "http://***"),  # unreadable: the scheme only
+        # Nothing to hide: as given, to the letter (a query is not re-encoded).
+        ("postgresql://prorl@/jobs?host=/run/pg&sslmode", "postgresql://prorl@/jobs?host=/run/pg&sslmode"),
+        ("not a url, a=b c", "not a url, a=b c"),
+    ],
+)
+def test_mask_url_hides_a_password_wherever_the_url_carries_one(url: str, shown: str) -> None:
+    assert mask_url(url) == shown
+    assert "s3cret" not in shown
+
+
+def test_url_password_finds_what_mask_url_hides() -> None:
+    assert url_password("postgresql://u:s3cret@db/jobs") == "s3cret"
+    assert url_password("postgresql://db/jobs?Password=s3cret") == "s3cret"
+    assert url_password("postgresql://u@db/jobs") == url_password("http://[::1") == ""
+
+
+@pytest.mark.parametrize("value", ["mysql://prorl:s3cret@db/jobs", "mysql://db/jobs?password=s3cret"])
+def test_a_refused_url_setting_is_echoed_without_its_password(value: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_settings(None, environ={"PRORL_JOBS__STORE": value})
+    message = str(error.value)
+    assert "setting 'jobs.store'" in message and "mysql://" in message and "***" in message
+    assert "s3cret" not in message
+
+
+def test_a_stores_driver_error_is_told_without_the_password() -> None:
+    from prorl_server.jobs.postgres_store import PostgresJobStore
+
+    store = PostgresJobStore("postgresql://prorl:s3cret@db/jobs")
+    reason = store._reason(OSError("connect to postgresql://prorl:s3cret@db/jobs failed (s3cret)"))
+    assert "s3cret" not in reason and "s3cret" not in repr(store)
+    assert reason == "connect to postgresql://prorl:***@db/jobs failed (***) (OSError)"

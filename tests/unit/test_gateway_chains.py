@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from prorl_server.agents.tool_calls import parse_text
 from prorl_server.errors import LLMError
 from prorl_server.gateway.chains import CallChains
 from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.llm.factory import build_backend
 from prorl_server.llm.router import BackendRouter
+from prorl_server.llm.tool_calls import parse_text
 from prorl_server.testing.scripted_llm import ScriptedChatBackend
 from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
 

@@ -24,13 +24,13 @@ from prorl_server.agents.base import Limits, RolloutContext
 from prorl_server.agents.loop import run_tool_loop
 from prorl_server.agents.outcomes import ToolOutput
 from prorl_server.agents.recorder import TrajectoryRecorder
-from prorl_server.agents.tool_calls import format_hint
 from prorl_server.agents.tools import FinishTool, Tool, ToolContext
 from prorl_server.llm.base import BackendInfo, Generation, Sampling, TokenBackend
 from prorl_server.llm.chat_template import ChatTokenizer
 from prorl_server.llm.hf_tokenizer import HFTokenizer
 from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
+from prorl_server.llm.tool_calls import format_hint
 from tests.unit.model_families import FAMILIES, TEMPLATES, Family
 
 

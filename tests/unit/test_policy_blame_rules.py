@@ -11,8 +11,8 @@ import pytest
 
 from prorl_server.agents.outcomes import MAX_DETAILS_BYTES, EvalOutcome, FailureInfo, ToolOutput
 from prorl_server.agents.recorder import SPENT_RESULT_BYTES, TOOL_OUTPUT_BUDGET_BYTES, TrajectoryRecorder
-from prorl_server.agents.tool_calls import ParsedCall
 from prorl_server.errors import SandboxBroken, SandboxLimitExceeded
+from prorl_server.llm.tool_calls import ParsedCall
 from prorl_server.sandbox.blame import Evidence, HostView, RuntimeState, Symptom, blame, process_ref, process_status
 
 LOST = Symptom("closed")

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from prorl_server.agents.tool_calls import parse_text
 from prorl_server.errors import ContextLengthExceeded, LLMError
 from prorl_server.llm.base import ApiToolCall, BackendInfo, Sampling
 from prorl_server.llm.openai_chat import OpenAIChatBackend
 from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
+from prorl_server.llm.tool_calls import parse_text
 from tests.fakes.scripted_llm import (
     ScriptedChatBackend,
     ScriptedLLMServer,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from prorl_server.agents.tool_calls import PARSERS, call_id, format_hint, parse_text, text_without_calls
 from prorl_server.gateway.common import read_reply
 from prorl_server.llm.base import TOOL_CALL_PARSERS, ChatResult
+from prorl_server.llm.tool_calls import PARSERS, call_id, format_hint, parse_text, text_without_calls
 
 DS_BEGIN = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"  # noqa: RUF001
 DS_END = "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"  # noqa: RUF001

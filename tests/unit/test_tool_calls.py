@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from prorl_server.agents.tool_calls import from_api, from_text
 from prorl_server.llm.base import ApiToolCall
+from prorl_server.llm.tool_calls import from_api, from_text
 
 
 def test_text_calls_are_read_in_order() -> None:

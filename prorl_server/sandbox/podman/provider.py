@@ -91,10 +91,6 @@ class PodmanProvider(SandboxProvider):
     def busy(self) -> int:
         return len(self._live)
 
-    @property
-    def limits_enforced_by(self) -> str:
-        return "cgroup-v1 (server)" if self._limiter else "podman"
-
     async def start(self) -> None:
         url = self._url_factory()
         self._client = PodmanClient(base_url=url, timeout=120)
