@@ -23,7 +23,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field, StrictStr, field_validator, model_validator
+from pydantic import Field, StrictInt, StrictStr, field_validator, model_validator
 
 from prorl_server.agents.base import EvalOutcome, RolloutContext, RunOutcome, TaskInstance
 from prorl_server.agents.fields import Seconds, Text
@@ -91,8 +91,17 @@ class TerminalInstance(TaskInstance):
     test_files: list[Text] = Field(min_length=1)
     """The pytest files (paths in `tests`) the task's test.sh runs."""
     agent_timeout_s: Seconds = Field(0, ge=0, le=24 * 3600)
-    """Harbor's [agent] timeout_sec, for the record (the job's budget limits the run)."""
+    """Harbor's [agent] timeout_sec: the agent is stopped there and judged on what it left
+    (`stop_reason` agent_timeout). 0: none (the job's budget limits the agent)."""
     verifier_timeout_s: Seconds = Field(DEFAULT_VERIFIER_TIMEOUT_S, gt=0, le=3600)
+    """Harbor's [verifier] timeout_sec: the tests' time (past it: `tests_timed_out`)."""
+    cpus: Seconds | None = Field(None, gt=0)
+    """Harbor's [environment] cpus: the sandboxes' CPUs unless the request's sandbox.cpus says
+    otherwise; more than the server's sandbox.max_cpus is refused at Submit."""
+    memory_mib: StrictInt | None = Field(None, ge=16)
+    """Harbor's [environment] memory_mb, likewise (sandbox.memory_mib, sandbox.max_memory_mib)."""
+    storage_mib: StrictInt | None = Field(None, ge=1)
+    """Harbor's [environment] storage_mb, for the record: the sandboxes have no disk quota."""
 
     @field_validator("workdir", "tests_dir")
     @classmethod
