@@ -13,7 +13,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from prorl_client import v1
-from prorl_server.agents.base import Limits
+from prorl_server.agents.base import Limits, TaskNeeds
 from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.config import Settings
 from prorl_server.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -70,16 +70,62 @@ def _sampling(request: v1.RolloutRequest, settings: Settings) -> Sampling:
     )
 
 
-def _budget(request: v1.RolloutRequest, settings: Settings) -> float:
+def _budget(request: v1.RolloutRequest, settings: Settings, needs: TaskNeeds) -> float:
+    """The request's budget, else the default; at least what the task's own time limits need
+    (a budget that ran out first would end the job before the task's limits could)."""
     jobs = settings.jobs
     if not request.limits.HasField("budget"):
-        return jobs.default_budget_s
+        if needs.budget_s > jobs.max_budget_s:
+            raise InvalidArgument(
+                f"the task's own time limits ({needs.budget_from}) need a job budget of {needs.budget_s:g}s, "
+                f"over this server's maximum of {jobs.max_budget_s:g}s (setting jobs.max_budget_s)"
+            )
+        return max(jobs.default_budget_s, needs.budget_s)
     budget = seconds(request.limits.budget)
     if budget <= 0:
         raise InvalidArgument(f"limits.budget must be positive, got {budget:g}s")
     if budget > jobs.max_budget_s:
         raise InvalidArgument(f"limits.budget {budget:g}s exceeds this server's maximum of {jobs.max_budget_s:g}s")
+    if budget < needs.budget_s:
+        raise InvalidArgument(
+            f"limits.budget {budget:g}s is less than the {needs.budget_s:g}s the task's own time limits need "
+            f"({needs.budget_from}): the budget would end the job before they do; give at least that, or none"
+        )
     return budget
+
+
+def _resources(request: v1.RolloutRequest, settings: Settings, needs: TaskNeeds) -> tuple[float, int]:
+    """The sandboxes' CPUs and memory: the request's, else the task's own, else the defaults;
+    a task asking for more than this server gives is refused, naming the setting."""
+    box, spec = settings.sandbox, request.sandbox
+    if spec.HasField("cpus"):
+        cpus = spec.cpus
+    elif needs.cpus is not None:
+        if needs.cpus > box.max_cpus:
+            raise InvalidArgument(
+                f"the task asks for {needs.cpus:g} CPUs ({needs.resources_from}); this server gives a sandbox at most "
+                f"{box.max_cpus:g} (setting sandbox.max_cpus); a request's sandbox.cpus may ask for less"
+            )
+        cpus = needs.cpus
+    else:
+        cpus = box.cpus
+    if not 0 < cpus <= box.max_cpus:
+        raise InvalidArgument(f"sandbox.cpus must be in (0, {box.max_cpus:g}], got {cpus:g}")
+    if spec.HasField("memory_mib"):
+        memory = spec.memory_mib
+    elif needs.memory_mib is not None:
+        if needs.memory_mib > box.max_memory_mib:
+            raise InvalidArgument(
+                f"the task asks for {needs.memory_mib} MiB of memory ({needs.resources_from}); this server gives a "
+                f"sandbox at most {box.max_memory_mib} MiB (setting sandbox.max_memory_mib); a request's "
+                "sandbox.memory_mib may ask for less"
+            )
+        memory = needs.memory_mib
+    else:
+        memory = box.memory_mib
+    if not 16 <= memory <= box.max_memory_mib:
+        raise InvalidArgument(f"sandbox.memory_mib must be between 16 and {box.max_memory_mib}, got {memory}")
+    return cpus, memory
 
 
 def _limits(request: v1.RolloutRequest, settings: Settings, budget_s: float) -> Limits:
@@ -160,16 +206,12 @@ def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: Handl
     _retry(request, settings)
     box = settings.sandbox
     spec = request.sandbox
-    cpus = spec.cpus if spec.HasField("cpus") else box.cpus
-    if not 0 < cpus <= box.max_cpus:
-        raise InvalidArgument(f"sandbox.cpus must be in (0, {box.max_cpus:g}], got {cpus:g}")
-    memory = spec.memory_mib if spec.HasField("memory_mib") else box.memory_mib
-    if not 16 <= memory <= box.max_memory_mib:
-        raise InvalidArgument(f"sandbox.memory_mib must be between 16 and {box.max_memory_mib}, got {memory}")
+    needs = handler.needs(task)
+    cpus, memory = _resources(request, settings, needs)
     pids = spec.pids_limit if spec.HasField("pids_limit") else box.pids_limit
     if not 8 <= pids <= 65536:
         raise InvalidArgument(f"sandbox.pids_limit must be between 8 and 65536, got {pids}")
-    budget_s = _budget(request, settings)
+    budget_s = _budget(request, settings, needs)
     if request.min_policy_version < 0:
         raise InvalidArgument(f"min_policy_version must not be negative, got {request.min_policy_version}")
     return JobPlan(
