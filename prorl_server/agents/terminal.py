@@ -4,9 +4,16 @@ An instance is one Harbor task folder as `prorl import-harbor` writes it: the
 task's `name`, its `instruction` (instruction.md), the sandbox `image` its
 environment was built into (or one the operator pre-loaded), the `workdir`
 its Dockerfile sets (default /app), the files of its tests/ folder (`tests`,
-path -> text), the pytest files its test.sh runs (`test_files`) and its time
-limits (`agent_timeout_s`, `verifier_timeout_s`). The reference solution is
-never part of it.
+path -> text), the pytest files its test.sh runs (`test_files`), its time
+limits (`agent_timeout_s`, `verifier_timeout_s`) and resources (`cpus`,
+`memory_mib`; `storage_mib` for the record). The reference solution is never
+part of it.
+
+The limits are enforced: the agent is stopped at `agent_timeout_s` and judged
+on what it left (`stop_reason` agent_timeout, as Harbor still verifies after an
+AgentTimeoutError), the tests run within `verifier_timeout_s`, the sandboxes
+get the task's CPUs and memory (`needs`, applied at Submit), and the job's
+budget covers the task's times.
 
 The agent works with bash and the file editor in the task's image. Its
 submission is its working directory as it left it (a tar archive taken by the
