@@ -98,31 +98,23 @@ def _resources(request: v1.RolloutRequest, settings: Settings, needs: TaskNeeds)
     """The sandboxes' CPUs and memory: the request's, else the task's own, else the defaults;
     a task asking for more than this server gives is refused, naming the setting."""
     box, spec = settings.sandbox, request.sandbox
-    if spec.HasField("cpus"):
-        cpus = spec.cpus
-    elif needs.cpus is not None:
-        if needs.cpus > box.max_cpus:
+
+    def pick(field: str, task: float | None, default: float, maximum: float, unit: str, max_unit: str) -> float:
+        if spec.HasField(field):
+            return float(getattr(spec, field))
+        if task is None:
+            return default
+        if task > maximum:
             raise InvalidArgument(
-                f"the task asks for {needs.cpus:g} CPUs ({needs.resources_from}); this server gives a sandbox at most "
-                f"{box.max_cpus:g} (setting sandbox.max_cpus); a request's sandbox.cpus may ask for less"
+                f"the task asks for {task:g} {unit} ({needs.resources_from}); this server gives a sandbox at most "
+                f"{maximum:g}{max_unit} (setting sandbox.max_{field}); a request's sandbox.{field} may ask for less"
             )
-        cpus = needs.cpus
-    else:
-        cpus = box.cpus
+        return task
+
+    cpus = pick("cpus", needs.cpus, box.cpus, box.max_cpus, "CPUs", "")
     if not 0 < cpus <= box.max_cpus:
         raise InvalidArgument(f"sandbox.cpus must be in (0, {box.max_cpus:g}], got {cpus:g}")
-    if spec.HasField("memory_mib"):
-        memory = spec.memory_mib
-    elif needs.memory_mib is not None:
-        if needs.memory_mib > box.max_memory_mib:
-            raise InvalidArgument(
-                f"the task asks for {needs.memory_mib} MiB of memory ({needs.resources_from}); this server gives a "
-                f"sandbox at most {box.max_memory_mib} MiB (setting sandbox.max_memory_mib); a request's "
-                "sandbox.memory_mib may ask for less"
-            )
-        memory = needs.memory_mib
-    else:
-        memory = box.memory_mib
+    memory = int(pick("memory_mib", needs.memory_mib, box.memory_mib, box.max_memory_mib, "MiB of memory", " MiB"))
     if not 16 <= memory <= box.max_memory_mib:
         raise InvalidArgument(f"sandbox.memory_mib must be between 16 and {box.max_memory_mib}, got {memory}")
     return cpus, memory
