@@ -102,9 +102,9 @@ class TaskInstance(BaseModel):
 
 
 InstanceT = TypeVar("InstanceT", bound=TaskInstance)
+OutcomeT = TypeVar("OutcomeT", bound=RunOutcome)
 MIN_TOOL_TIMEOUT_S = 0.1
 """A tool call at a time limit's very end still gets this long (the limit itself cancels it)."""
-OutcomeT = TypeVar("OutcomeT", bound=RunOutcome)
 
 
 @dataclass
