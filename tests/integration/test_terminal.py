@@ -2,7 +2,8 @@
 Podman sandboxes, each task's image built offline from its translated Dockerfile (make images):
 its oracle solution scores 1 and a wrong one 0, the reward hacks a policy would try score 0, a
 task's own limits hold (its agent stopped at its agent timeout and judged on what it left, its
-sandboxes given its memory, read from their cgroups), and unmodified agent programs do a task
+sandboxes given its memory: cgroup v2's memory.max, and what a process may fill, seen from
+inside), and unmodified agent programs do a task
 through the job's model gateway: the openai-SDK example agent driven by a scripted
 OpenAI-compatible model, and mini-swe-agent driven by a fake vLLM (token ids in and out, a
 byte-level tokenizer), whose calls come back as one exact token chain."""
@@ -155,45 +156,52 @@ async def test_an_agent_past_its_time_is_judged_on_what_it_left(scripted_llm, st
     assert result.timing.run.ToTimedelta().total_seconds() < 600
 
 
-# Reads the memory limit of the sandbox it runs in: cgroup v2's memory.max, or v1's limit for
-# this process's memory group (the server's own group per sandbox on a v1 host).
-READ_MEMORY_LIMIT = """
+TASK_MEMORY_MIB = 300
+# The memory the sandbox it runs in has, seen from inside: cgroup v2's memory.max where the
+# sandbox has it, and (on any host: a cgroup v1 host's sandbox cannot see the group the server
+# made for it) whether a process may fill a third of the task's memory, and twice it (which the
+# server's default of 1024 MiB would allow).
+MEMORY_PROBE = f"""
+import subprocess
+import sys
 from pathlib import Path
 
+MIB = 1 << 20
 
-def memory_limit():
+
+def fills(mib):
+    done = subprocess.run([sys.executable, "-c", "b = bytearray(%d)" % (mib * MIB)], capture_output=True)
+    return "ok" if done.returncode == 0 else "killed"
+
+
+def memory_probe():
     v2 = Path("/sys/fs/cgroup/memory.max")
-    if v2.exists():
-        return v2.read_text().strip()
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, names, group = line.split(":", 2)
-        if "memory" in names.split(","):
-            for folder in (Path("/sys/fs/cgroup/memory") / group.lstrip("/"), Path("/sys/fs/cgroup/memory")):
-                if (folder / "memory.limit_in_bytes").exists():
-                    return (folder / "memory.limit_in_bytes").read_text().strip()
-    return "unknown"
+    cgroup = v2.read_text().strip() if v2.exists() else "none"
+    return "memory.max=%s third=%s twice=%s" % (cgroup, fills({TASK_MEMORY_MIB} // 3), fills(2 * {TASK_MEMORY_MIB}))
 """
-TASK_MEMORY_MIB = 300
+EXPECTED_PROBE = rf"memory\.max=({TASK_MEMORY_MIB << 20}|none) third=ok twice=killed"
 
 
 def memory_task(root: Path) -> dict[str, Any]:
     """A Harbor task, imported: its task.toml asks for 300 MiB, and its tests pass when both the
-    agent's sandbox (as the agent wrote it to /app/limit.txt) and their own have exactly that."""
+    agent's sandbox (as the agent wrote its probe to /app/memory.txt) and their own have it."""
     files = {
         "task.toml": (
             "[agent]\ntimeout_sec = 300\n[verifier]\ntimeout_sec = 120\n"
             f'[environment]\ndocker_image = "localhost/prorl-harbor-hello-world:latest"\n'
             f"cpus = 1\nmemory_mb = {TASK_MEMORY_MIB}\n"
         ),
-        "instruction.md": "Write the memory limit of your sandbox's cgroup to /app/limit.txt.\n",
-        "tests/test.sh": "#!/bin/bash\npytest /tests/test_limits.py -rA\n",
-        "tests/test_limits.py": READ_MEMORY_LIMIT
+        "instruction.md": "Write what your sandbox's memory allows to /app/memory.txt.\n",
+        "tests/test.sh": "#!/bin/bash\npytest /tests/test_memory.py -rA\n",
+        "tests/test_memory.py": MEMORY_PROBE
         + (
-            f"\n\nLIMIT = str({TASK_MEMORY_MIB} << 20)\n\n\n"
+            f"\n\nEXPECTED = {EXPECTED_PROBE!r}\n\n\n"
             "def test_the_agents_sandbox_had_the_tasks_memory():\n"
-            '    assert Path("/app/limit.txt").read_text().strip() == LIMIT\n\n\n'
+            "    import re\n"
+            '    assert re.fullmatch(EXPECTED, Path("/app/memory.txt").read_text().strip())\n\n\n'
             "def test_the_tests_sandbox_has_it_too():\n"
-            "    assert memory_limit() == LIMIT\n"
+            "    import re\n"
+            "    assert re.fullmatch(EXPECTED, memory_probe())\n"
         ),
     }
     for name, text in files.items():
@@ -207,13 +215,20 @@ def memory_task(root: Path) -> dict[str, Any]:
 async def test_the_sandboxes_have_the_tasks_memory(scripted_llm, start_server, tmp_path: Path) -> None:
     instance = memory_task(tmp_path / "memory-limit")
     assert instance["memory_mib"] == TASK_MEMORY_MIB
-    write = f"python3 - > /app/limit.txt <<'EOF'\n{READ_MEMORY_LIMIT}\nprint(memory_limit())\nEOF"
+    write = f"python3 - > /app/memory.txt <<'EOF'\n{MEMORY_PROBE}\nprint(memory_probe())\nEOF"
     result = await run_terminal(scripted_llm, start_server, "memory-limit", write, instance=instance)
-    assert result.reward == 1.0 and result.details["verdict"] == "passed", result.details
+    assert result.reward == 1.0 and result.details["verdict"] == "passed", result.details["log_tail"]
     assert statuses(result) == {
-        "test_limits.py::test_the_agents_sandbox_had_the_tasks_memory": "PASSED",
-        "test_limits.py::test_the_tests_sandbox_has_it_too": "PASSED",
+        "test_memory.py::test_the_agents_sandbox_had_the_tasks_memory": "PASSED",
+        "test_memory.py::test_the_tests_sandbox_has_it_too": "PASSED",
     }
+
+    # The control: the request's own sandbox.memory_mib wins over the task's, and the probe tells.
+    def more(request: v1.RolloutRequest) -> None:
+        request.sandbox.memory_mib = 1024
+
+    result = await run_terminal(scripted_llm, start_server, "memory-limit", write, instance=instance, prepare=more)
+    assert result.reward == 0.0 and "twice=ok" in result.details["log_tail"], result.details["log_tail"]
 
 
 def example_agent(command: str) -> Any:
