@@ -239,6 +239,8 @@ def test_a_workdir_from_task_toml_is_the_agents_in_the_built_image(tmp_path: Pat
         ("[verifier]\nretries = 3\n", "[verifier] sets retries, which this importer does not know"),
         ('environment = "big"\n', "its task.toml's environment is not a table"),
         ('[environment]\nworkdir = "app"\n', "[environment] workdir = 'app' is not an absolute path"),
+        ("[environment]\nbuild_timeout_sec = -1\n", "[environment] build_timeout_sec = -1 is not a positive number"),
+        ('[agent]\nsetup_timeout_sec = "x"\n', "[agent] setup_timeout_sec = 'x' is not a positive number"),
     ],
 )
 def test_unknown_or_malformed_limits_are_refused(tmp_path: Path, toml: str, expected: str) -> None:
@@ -291,6 +293,10 @@ def test_no_network_or_no_word_about_it_is_imported(tmp_path: Path) -> None:
     # network_mode is Harbor's newer field, and wins over the older boolean.
     imported_instance(tmp_path / "b", '[environment]\nallow_internet = true\nnetwork_mode = "no-network"\n')
     imported_instance(tmp_path / "c", "[environment]\ncpus = 1\n")  # Harbor's default allows it; none is needed
+
+
+def test_the_sandboxes_own_user_may_be_named(tmp_path: Path) -> None:
+    imported_instance(tmp_path / "a", '[agent]\nuser = "agent"\n[verifier]\nuser = 1000\n')
 
 
 def test_the_cli_imports_a_task_given_the_internet_only_when_told(
