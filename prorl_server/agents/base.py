@@ -12,19 +12,21 @@ goes to that phase's hook, which classifies it.
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 import copy
 import difflib
 import time
 import typing
-from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from prorl_server.agents.branching import Branching
-from prorl_server.agents.outcomes import EvalOutcome, FailureInfo, Limits, RunOutcome
+from prorl_server.agents.outcomes import EvalOutcome, FailureInfo, Limits, RunOutcome, TaskNeeds
 from prorl_server.agents.recorder import TrajectoryRecorder
 from prorl_server.errors import InfrastructureError, InvalidArgument, PolicyError
 from prorl_server.llm.base import ChatFn, Sampling
@@ -44,6 +46,7 @@ __all__ = [
     "RunOutcome",
     "SandboxFactory",
     "TaskInstance",
+    "TaskNeeds",
     "classify",
 ]
 
@@ -65,6 +68,13 @@ class JobGateway:
 
 GatewayOpener = Callable[[Sandbox], AbstractAsyncContextManager[JobGateway]]
 """Opens the job's model gateway in a sandbox for as long as the context lasts."""
+
+
+class JobClock(Protocol):
+    """The job's clock (jobs/phase_runner.py BudgetClock): a deadline it governs stops while
+    the job waits for a model slot, as the job's budget does."""
+
+    def governing(self, deadline: asyncio.Timeout) -> AbstractContextManager[None]: ...
 
 
 class TaskInstance(BaseModel):
@@ -90,6 +100,8 @@ class TaskInstance(BaseModel):
 
 InstanceT = TypeVar("InstanceT", bound=TaskInstance)
 OutcomeT = TypeVar("OutcomeT", bound=RunOutcome)
+MIN_TOOL_TIMEOUT_S = 0.1
+"""A tool call at a time limit's very end still gets this long (the limit itself cancels it)."""
 
 
 @dataclass
@@ -116,6 +128,7 @@ class RolloutContext(Generic[InstanceT]):
         model_gateway: GatewayOpener | None = None,
         judge: JobJudge | None = None,
         branching: Branching | None = None,
+        clock: JobClock | None = None,
     ) -> None:
         self.job_id = job_id
         self.instance = instance
@@ -132,6 +145,8 @@ class RolloutContext(Generic[InstanceT]):
         """Set for a forkable job or a fork (agents/branching.py): the loop's turn boundaries."""
         self._sandbox_factory = sandbox_factory
         self._sandboxes = _JobSandboxes()
+        self._clock = clock
+        self._time_limit: asyncio.Timeout | None = None
 
     def for_instance(self, instance: TaskInstance) -> RolloutContext[Any]:
         """A view of this job for another family's phases (the command family judges with the
@@ -147,6 +162,31 @@ class RolloutContext(Generic[InstanceT]):
         if self._judge is None:
             raise InfrastructureError("this server gives jobs no model judge", reason="judge_unavailable")
         return self._judge
+
+    @contextlib.asynccontextmanager
+    async def time_limit(self, seconds: float) -> AsyncIterator[asyncio.Timeout]:
+        """A time limit of the task's own for its agent (a Harbor task's [agent] timeout_sec),
+        counted as the job's budget is: not while the job waits for a model slot. The body is
+        cancelled when it runs out (TimeoutError, with the yielded deadline expired), and each
+        tool call meanwhile gets no more than what is left of it (`tool_timeout_s`)."""
+        async with asyncio.timeout(seconds) as deadline:
+            governing = self._clock.governing(deadline) if self._clock is not None else contextlib.nullcontext()
+            with governing:
+                outer, self._time_limit = self._time_limit, deadline
+                try:
+                    yield deadline
+                finally:
+                    self._time_limit = outer
+
+    @property
+    def tool_timeout_s(self) -> float:
+        """A tool call's time: the job's limit, within what is left of a `time_limit`, so that the
+        sandbox itself stops a command at the deadline and its shell is free afterwards."""
+        limit = self.limits.tool_timeout_s
+        when = self._time_limit.when() if self._time_limit is not None else None
+        if when is None:
+            return limit
+        return max(min(limit, when - asyncio.get_running_loop().time()), MIN_TOOL_TIMEOUT_S)
 
     @property
     def sandbox_acquire_s(self) -> float:
@@ -273,6 +313,11 @@ class AgentHandler(abc.ABC, Generic[InstanceT, OutcomeT]):
     def image_for(self, instance: InstanceT) -> str | None:
         """The sandbox image this instance needs when the request names none."""
         return self.default_image
+
+    def needs(self, instance: InstanceT) -> TaskNeeds:
+        """The sandbox resources and the budget the instance itself asks for (a Harbor task's
+        task.toml); Submit applies them where the request does not say otherwise."""
+        return TaskNeeds()
 
     @abc.abstractmethod
     async def init(self, ctx: RolloutContext[InstanceT]) -> None: ...

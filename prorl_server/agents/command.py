@@ -39,7 +39,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, StrictStr, field_validator, model_validator
 
-from prorl_server.agents.base import AgentHandler, EvalOutcome, RolloutContext, RunOutcome, TaskInstance
+from prorl_server.agents.base import AgentHandler, EvalOutcome, RolloutContext, RunOutcome, TaskInstance, TaskNeeds
 from prorl_server.agents.code import CodeHandler
 from prorl_server.agents.fields import Seconds, Text
 from prorl_server.agents.loop import ToolLoopHandler
@@ -48,7 +48,7 @@ from prorl_server.agents.outcomes import StopReason
 from prorl_server.agents.rubric import RubricHandler
 from prorl_server.agents.stem import StemHandler
 from prorl_server.agents.swe import SWEHandler
-from prorl_server.agents.terminal import TerminalHandler
+from prorl_server.agents.terminal import TerminalHandler, TerminalInstance
 from prorl_server.errors import InfrastructureError, InvalidArgument
 from prorl_server.verifiers.harness import LOG_TAIL_CHARS
 
@@ -146,6 +146,23 @@ class CommandHandler(AgentHandler[CommandTask, ProgramOutcome]):
     def image_for(self, instance: CommandTask) -> str | None:
         return FAMILIES[instance.verifier].image_for(instance.judged)
 
+    @staticmethod
+    def program_timeout_s(instance: CommandTask) -> float:
+        """The program's time: its timeout_s, and no more than a terminal task's own agent
+        timeout (Harbor's [agent] timeout_sec) when it has one."""
+        limit = float(instance.program.timeout_s)
+        judged = instance.judged
+        if isinstance(judged, TerminalInstance) and judged.agent_timeout_s:
+            limit = min(limit, float(judged.agent_timeout_s))
+        return limit
+
+    def needs(self, instance: CommandTask) -> TaskNeeds:
+        judged = instance.judged
+        if isinstance(judged, TerminalInstance):
+            agent_s = self.program_timeout_s(instance) if judged.agent_timeout_s else 0.0
+            return TerminalHandler.needs_for(judged, agent_s)
+        return FAMILIES[instance.verifier].needs(judged)
+
     async def init(self, ctx: RolloutContext[CommandTask]) -> None:
         family = FAMILIES[ctx.instance.verifier]
         await family.init(ctx.for_instance(ctx.instance.judged))  # the sandbox (SWE: checked at base_commit)
@@ -174,7 +191,7 @@ class CommandHandler(AgentHandler[CommandTask, ProgramOutcome]):
                 **instance.program.env,
             }
             command = self._command(instance, env, stdout=f"{folder}/stdout")
-            result = await sandbox.bash(command, timeout_s=float(instance.program.timeout_s))
+            result = await sandbox.bash(command, timeout_s=self.program_timeout_s(instance))
             outage = gateway.outage()
         if outage is not None:  # the program could not reach the model: not the policy's doing
             raise outage

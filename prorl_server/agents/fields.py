@@ -30,6 +30,17 @@ GroundTruth = Annotated[str | int | float, PlainValidator(_ground_truth)]
 Seconds = StrictInt | StrictFloat
 
 
+def _whole(value: int | float) -> int:
+    """A count that arrived as a JSON number (3.0) is the integer it names."""
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError("must be a whole number")
+    return int(value)
+
+
+Whole = Annotated[StrictInt | StrictFloat, AfterValidator(_whole)]
+"""A whole number, as JSON (and a protobuf Struct, where every number is a float) carries it."""
+
+
 def as_text(value: str | int | float) -> str:
     """A ground truth as text: 42.0 (how JSON numbers arrive) reads 42."""
     if isinstance(value, float) and value.is_integer():

@@ -14,11 +14,13 @@ from typing import Any, Literal
 
 from prorl_server.sandbox.output import cap_text
 
-StopReason = Literal["finish", "max_turns", "context_length", "program_exit", "program_timeout"]
-""""finish" (the agent called finish), "max_turns", or "context_length" (the conversation
-outgrew the model's context: a policy outcome, evaluated as usual); for an agent program
-(the command family) "program_exit" (it ended by itself, whatever its exit status) or
-"program_timeout" (it ran out of its time and was killed)."""
+StopReason = Literal["finish", "max_turns", "context_length", "agent_timeout", "program_exit", "program_timeout"]
+""""finish" (the agent called finish), "max_turns", "context_length" (the conversation
+outgrew the model's context: a policy outcome, evaluated as usual), or "agent_timeout" (the
+task's own time for the agent ran out: a Harbor task's [agent] timeout_sec; evaluated as
+usual, on what the agent left); for an agent program (the command family) "program_exit"
+(it ended by itself, whatever its exit status) or "program_timeout" (it ran out of its time
+and was killed)."""
 
 # A result's details go out in the evaluation event and in the result: each text in them
 # (log tails, a SWE patch) is cut head and tail to MAX_DETAIL_TEXT_BYTES, and all of them
@@ -32,6 +34,21 @@ MAX_FAILURE_MESSAGE_BYTES = 4 << 10
 class Limits:
     max_turns: int
     tool_timeout_s: float
+
+
+@dataclass(frozen=True)
+class TaskNeeds:
+    """What a task instance itself asks of its job (a Harbor task's task.toml), applied at
+    Submit where the request does not say otherwise (jobs/validation.py)."""
+
+    cpus: float | None = None
+    memory_mib: int | None = None
+    resources_from: str = ""
+    """Where cpus and memory_mib come from, for messages."""
+    budget_s: float = 0.0
+    """The least job budget that lets the task's own time limits play out (0: none)."""
+    budget_from: str = ""
+    """How budget_s is made up, for messages."""
 
 
 @dataclass(frozen=True)

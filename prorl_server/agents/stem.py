@@ -10,12 +10,12 @@ the result's details repeat.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import AfterValidator, Field, StrictFloat, StrictInt, StrictStr
+from pydantic import Field, StrictFloat, StrictInt, StrictStr
 
 from prorl_server.agents.base import EvalOutcome, RolloutContext, RunOutcome, TaskInstance
-from prorl_server.agents.fields import GroundTruth, Text, as_text
+from prorl_server.agents.fields import GroundTruth, Text, Whole, as_text
 from prorl_server.agents.loop import ToolLoopHandler
 from prorl_server.agents.tools import FinishTool, PythonTool
 from prorl_server.verifiers.stem import verify_stem_answer
@@ -32,13 +32,6 @@ When you know the answer, call finish with it (for multiple choice, the letter):
 <tool_call>{{"name": "finish", "arguments": {{"answer": "B"}}}}</tool_call>"""
 
 
-def _whole(value: int | float) -> int:
-    """A count that arrived as a JSON number (3.0) is the integer it names."""
-    if isinstance(value, float) and not value.is_integer():
-        raise ValueError("must be a whole number")
-    return int(value)
-
-
 class StemInstance(TaskInstance):
     question: Text
     answer: GroundTruth
@@ -48,7 +41,7 @@ class StemInstance(TaskInstance):
     """A numeric answer's relative tolerance; None: 1e-4."""
     abs_tol: StrictInt | StrictFloat | None = Field(None, ge=0)
     """The absolute tolerance where the gold is exactly 0 (and only there); None: 1e-9."""
-    sig_figs: Annotated[StrictInt | StrictFloat, AfterValidator(_whole)] | None = Field(None, ge=1, le=30)
+    sig_figs: Whole | None = Field(None, ge=1, le=30)
     """The fewest significant figures an answer may round to; None: 3."""
 
     def tolerance(self) -> dict[str, Any]:

@@ -4,9 +4,16 @@ An instance is one Harbor task folder as `prorl import-harbor` writes it: the
 task's `name`, its `instruction` (instruction.md), the sandbox `image` its
 environment was built into (or one the operator pre-loaded), the `workdir`
 its Dockerfile sets (default /app), the files of its tests/ folder (`tests`,
-path -> text), the pytest files its test.sh runs (`test_files`) and its time
-limits (`agent_timeout_s`, `verifier_timeout_s`). The reference solution is
-never part of it.
+path -> text), the pytest files its test.sh runs (`test_files`), its time
+limits (`agent_timeout_s`, `verifier_timeout_s`) and resources (`cpus`,
+`memory_mib`; `storage_mib` for the record). The reference solution is never
+part of it.
+
+The limits are enforced: the agent is stopped at `agent_timeout_s` and judged
+on what it left (`stop_reason` agent_timeout, as Harbor still verifies after an
+AgentTimeoutError), the tests run within `verifier_timeout_s`, the sandboxes
+get the task's CPUs and memory (`needs`, applied at Submit), and the job's
+budget covers the task's times.
 
 The agent works with bash and the file editor in the task's image. Its
 submission is its working directory as it left it (a tar archive taken by the
@@ -25,9 +32,9 @@ from typing import Any
 
 from pydantic import Field, StrictStr, field_validator, model_validator
 
-from prorl_server.agents.base import EvalOutcome, RolloutContext, RunOutcome, TaskInstance
-from prorl_server.agents.fields import Seconds, Text
-from prorl_server.agents.loop import ToolLoopHandler, describe_tools
+from prorl_server.agents.base import EvalOutcome, RolloutContext, RunOutcome, TaskInstance, TaskNeeds
+from prorl_server.agents.fields import Seconds, Text, Whole
+from prorl_server.agents.loop import ToolLoopHandler, describe_tools, run_tool_loop
 from prorl_server.agents.tools import BashTool, EditorTool, FinishTool
 from prorl_server.errors import PolicyError
 from prorl_server.verifiers.terminal import judge
@@ -35,6 +42,9 @@ from prorl_server.verifiers.terminal import judge
 DEFAULT_WORKDIR = "/app"
 DEFAULT_TESTS_DIR = "/tests"
 DEFAULT_VERIFIER_TIMEOUT_S = 300.0
+OVERHEAD_S = 120.0
+"""A job's time beyond the agent's and the tests' when the task sets both: its two sandboxes
+started, the working directory archived and unpacked (the least budget Submit gives it)."""
 MAX_STATE_BYTES = 64 << 20
 """The agent's working directory, archived, at most (larger: `state_too_large`, reward 0)."""
 MAX_TEST_BYTES = 4 << 20
@@ -91,8 +101,17 @@ class TerminalInstance(TaskInstance):
     test_files: list[Text] = Field(min_length=1)
     """The pytest files (paths in `tests`) the task's test.sh runs."""
     agent_timeout_s: Seconds = Field(0, ge=0, le=24 * 3600)
-    """Harbor's [agent] timeout_sec, for the record (the job's budget limits the run)."""
+    """Harbor's [agent] timeout_sec: the agent is stopped there and judged on what it left
+    (`stop_reason` agent_timeout). 0: none (the job's budget limits the agent)."""
     verifier_timeout_s: Seconds = Field(DEFAULT_VERIFIER_TIMEOUT_S, gt=0, le=3600)
+    """Harbor's [verifier] timeout_sec: the tests' time (past it: `tests_timed_out`)."""
+    cpus: Seconds | None = Field(None, gt=0)
+    """Harbor's [environment] cpus: the sandboxes' CPUs unless the request's sandbox.cpus says
+    otherwise; more than the server's sandbox.max_cpus is refused at Submit."""
+    memory_mib: Whole | None = Field(None, ge=16)
+    """Harbor's [environment] memory_mb, likewise (sandbox.memory_mib, sandbox.max_memory_mib)."""
+    storage_mib: Whole | None = Field(None, ge=1)
+    """Harbor's [environment] storage_mb, for the record: the sandboxes have no disk quota."""
 
     @field_validator("workdir", "tests_dir")
     @classmethod
@@ -138,6 +157,39 @@ class TerminalHandler(ToolLoopHandler[TerminalInstance, TerminalRunOutcome]):
     def image_for(self, instance: TerminalInstance) -> str | None:
         return instance.image
 
+    def needs(self, instance: TerminalInstance) -> TaskNeeds:
+        return self.needs_for(instance, float(instance.agent_timeout_s))
+
+    @staticmethod
+    def needs_for(instance: TerminalInstance, agent_s: float) -> TaskNeeds:
+        """The task's CPUs and memory, and a budget for `agent_s` of the agent's time (0: none)
+        with the tests' own time and the job's work around them."""
+        verifier_s = float(instance.verifier_timeout_s)
+        budget_from = f"{agent_s:g}s for the agent + verifier_timeout_s {verifier_s:g}s + {OVERHEAD_S:g}s overhead"
+        return TaskNeeds(
+            cpus=None if instance.cpus is None else float(instance.cpus),
+            memory_mib=None if instance.memory_mib is None else int(instance.memory_mib),
+            resources_from="the terminal instance's cpus and memory_mib, Harbor's [environment] cpus and memory_mb",
+            budget_s=agent_s + verifier_s + OVERHEAD_S if agent_s else 0.0,
+            budget_from=budget_from,
+        )
+
+    async def run(self, ctx: RolloutContext[TerminalInstance]) -> TerminalRunOutcome:
+        """The tool loop, ended at the task's agent timeout if it has one (Harbor's [agent]
+        timeout_sec: the agent is stopped and judged on what it left, `stop_reason` agent_timeout)."""
+        limit = float(ctx.instance.agent_timeout_s)
+        if not limit:
+            return await super().run(ctx)
+        system, user = self.system_text(ctx.instance), self.user_prompt(ctx.instance)
+        try:
+            async with ctx.time_limit(limit) as deadline:
+                outcome = await run_tool_loop(ctx, system_prompt=system, user_prompt=user, tools=self.tools)
+        except TimeoutError:
+            if not deadline.expired():  # some step's own timeout, not the agent's
+                raise
+            outcome = RunOutcome("agent_timeout")
+        return await self.submission(ctx, outcome)
+
     def system_text(self, instance: TerminalInstance) -> str:
         return SYSTEM_PROMPT.format(workdir=instance.workdir, tools=describe_tools(self.tools))
 
@@ -174,6 +226,8 @@ class TerminalHandler(ToolLoopHandler[TerminalInstance, TerminalRunOutcome]):
             "task": instance.name,
             "state_bytes": outcome.state_bytes,
         }
+        if instance.agent_timeout_s:
+            details["agent_timeout_s"] = float(instance.agent_timeout_s)
         if outcome.state_bytes > MAX_STATE_BYTES:
             return EvalOutcome(0.0, {**details, "verdict": "state_too_large"})
         state = await ctx.sandbox.read_file(STATE_PATH, max_bytes=MAX_STATE_BYTES)

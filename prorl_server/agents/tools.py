@@ -19,6 +19,11 @@ class ToolContext(Protocol):
     @property
     def limits(self) -> Limits: ...
 
+    @property
+    def tool_timeout_s(self) -> float:
+        """limits.tool_timeout_s, within what is left of the agent's own time limit if any."""
+        ...
+
 
 class Tool(abc.ABC):
     name: str
@@ -62,7 +67,7 @@ class BashTool(Tool):
     }
 
     async def run(self, ctx: ToolContext, arguments: dict[str, Any]) -> ToolOutput:
-        result = await ctx.sandbox.bash(arguments["command"], timeout_s=ctx.limits.tool_timeout_s)
+        result = await ctx.sandbox.bash(arguments["command"], timeout_s=ctx.tool_timeout_s)
         return ToolOutput(result.output, result.exit_code, result.truncated, duration_s=result.duration_s)
 
 
@@ -76,7 +81,7 @@ class PythonTool(Tool):
     }
 
     async def run(self, ctx: ToolContext, arguments: dict[str, Any]) -> ToolOutput:
-        result = await ctx.sandbox.python(arguments["code"], timeout_s=ctx.limits.tool_timeout_s)
+        result = await ctx.sandbox.python(arguments["code"], timeout_s=ctx.tool_timeout_s)
         return ToolOutput(result.output, None, result.truncated, duration_s=result.duration_s)
 
 

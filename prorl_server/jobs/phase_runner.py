@@ -35,15 +35,15 @@ class BudgetClock:
     """A job's budget deadline in the phase running now, stopped while the job waits for a
     model slot (the router's WaitClock): a shared backend busy with other jobs' turns is
     not the policy's time. Requests of one job may wait at once; the clock runs again
-    when the last stops waiting."""
+    when the last stops waiting. Other deadlines of the job's time (a task's own time for
+    its agent, RolloutContext.time_limit) are governed the same way."""
 
     def __init__(self) -> None:
         self.model_wait_s = 0.0
         """Time any of the job's requests waited for a model slot, overlaps counted once."""
-        self._deadline: asyncio.Timeout | None = None
+        self._governed: list[_Governed] = []
         self._waiting = 0
         self._since = 0.0
-        self._left: float | None = None
 
     @contextlib.contextmanager
     def waiting_for_model(self) -> Iterator[None]:
@@ -55,32 +55,50 @@ class BudgetClock:
 
     @contextlib.contextmanager
     def governing(self, deadline: asyncio.Timeout) -> Iterator[None]:
-        """`deadline` is the budget's while the phase runs."""
-        self._deadline = deadline
+        """`deadline` stops while the job waits for a model slot, for as long as this lasts."""
+        governed = _Governed(deadline)
+        self._governed.append(governed)
+        if self._waiting:
+            governed.stop()
         try:
             yield
         finally:
-            self._deadline, self._left = None, None
+            self._governed.remove(governed)
 
     def _stop(self) -> None:
         self._waiting += 1
         if self._waiting > 1:
             return
         self._since = time.monotonic()
-        deadline = self._deadline
-        if deadline is not None and not deadline.expired() and (when := deadline.when()) is not None:
-            self._left = max(when - asyncio.get_running_loop().time(), 0.0)
-            deadline.reschedule(None)
+        for governed in self._governed:
+            governed.stop()
 
     def _restart(self) -> None:
         self._waiting -= 1
         if self._waiting:
             return
         self.model_wait_s += time.monotonic() - self._since
-        deadline, left = self._deadline, self._left
-        self._left = None
-        if deadline is not None and left is not None and not deadline.expired():
-            deadline.reschedule(asyncio.get_running_loop().time() + left)
+        for governed in self._governed:
+            governed.restart()
+
+
+@dataclass(eq=False)
+class _Governed:
+    """A deadline the BudgetClock stops, and what was left of it when it stopped."""
+
+    deadline: asyncio.Timeout
+    left: float | None = None
+
+    def stop(self) -> None:
+        deadline = self.deadline
+        if not deadline.expired() and (when := deadline.when()) is not None:
+            self.left = max(when - asyncio.get_running_loop().time(), 0.0)
+            deadline.reschedule(None)
+
+    def restart(self) -> None:
+        left, self.left = self.left, None
+        if left is not None and not self.deadline.expired():
+            self.deadline.reschedule(asyncio.get_running_loop().time() + left)
 
 
 @dataclass

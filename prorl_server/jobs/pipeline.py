@@ -30,11 +30,11 @@ from prorl_server.gateway.chains import CallChains
 from prorl_server.gateway.directory import GatewayDirectory, job_path
 from prorl_server.jobs import wire
 from prorl_server.jobs.forks import ForkRegistry, JobBranching
-from prorl_server.jobs.phase_runner import PhaseResult, PhaseRunner, PhaseTimes
+from prorl_server.jobs.phase_runner import BudgetClock, PhaseResult, PhaseRunner, PhaseTimes
 from prorl_server.jobs.phases import PhaseGate
 from prorl_server.jobs.record import JobPlan, JobRecord
 from prorl_server.jobs.uninterruptible import uninterruptible
-from prorl_server.llm.router import BackendRouter, WaitClock
+from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
 from prorl_server.metrics import Metrics
 from prorl_server.sandbox.allocator import SandboxAllocator
@@ -103,7 +103,7 @@ class Pipeline:
         return self._init_gate.queued
 
     def _context(
-        self, job: JobRecord, plan: JobPlan, session: LLMSession, chains: CallChains, clock: WaitClock
+        self, job: JobRecord, plan: JobPlan, session: LLMSession, chains: CallChains, clock: BudgetClock
     ) -> RolloutContext[Any]:
         async def open_sandbox() -> Sandbox:
             spec = SandboxSpec(
@@ -165,6 +165,7 @@ class Pipeline:
             model_gateway=model_gateway,
             judge=self._judge.for_job(job.job_id, wait_clock=clock) if self._judge is not None else None,
             branching=branching,
+            clock=clock,
         )
 
     async def execute(self, job: JobRecord) -> None:

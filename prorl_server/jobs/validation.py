@@ -13,7 +13,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from prorl_client import v1
-from prorl_server.agents.base import Limits
+from prorl_server.agents.base import Limits, TaskNeeds
 from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.config import Settings
 from prorl_server.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -70,16 +70,54 @@ def _sampling(request: v1.RolloutRequest, settings: Settings) -> Sampling:
     )
 
 
-def _budget(request: v1.RolloutRequest, settings: Settings) -> float:
+def _budget(request: v1.RolloutRequest, settings: Settings, needs: TaskNeeds) -> float:
+    """The request's budget, else the default; at least what the task's own time limits need
+    (a budget that ran out first would end the job before the task's limits could)."""
     jobs = settings.jobs
     if not request.limits.HasField("budget"):
-        return jobs.default_budget_s
+        if needs.budget_s > jobs.max_budget_s:
+            raise InvalidArgument(
+                f"the task's own time limits ({needs.budget_from}) need a job budget of {needs.budget_s:g}s, "
+                f"over this server's maximum of {jobs.max_budget_s:g}s (setting jobs.max_budget_s)"
+            )
+        return max(jobs.default_budget_s, needs.budget_s)
     budget = seconds(request.limits.budget)
     if budget <= 0:
         raise InvalidArgument(f"limits.budget must be positive, got {budget:g}s")
     if budget > jobs.max_budget_s:
         raise InvalidArgument(f"limits.budget {budget:g}s exceeds this server's maximum of {jobs.max_budget_s:g}s")
+    if budget < needs.budget_s:
+        raise InvalidArgument(
+            f"limits.budget {budget:g}s is less than the {needs.budget_s:g}s the task's own time limits need "
+            f"({needs.budget_from}): the budget would end the job before they do; give at least that, or none"
+        )
     return budget
+
+
+def _resources(request: v1.RolloutRequest, settings: Settings, needs: TaskNeeds) -> tuple[float, int]:
+    """The sandboxes' CPUs and memory: the request's, else the task's own, else the defaults;
+    a task asking for more than this server gives is refused, naming the setting."""
+    box, spec = settings.sandbox, request.sandbox
+
+    def pick(field: str, task: float | None, default: float, maximum: float, unit: str, max_unit: str) -> float:
+        if spec.HasField(field):
+            return float(getattr(spec, field))
+        if task is None:
+            return default
+        if task > maximum:
+            raise InvalidArgument(
+                f"the task asks for {task:g} {unit} ({needs.resources_from}); this server gives a sandbox at most "
+                f"{maximum:g}{max_unit} (setting sandbox.max_{field}); a request's sandbox.{field} may ask for less"
+            )
+        return task
+
+    cpus = pick("cpus", needs.cpus, box.cpus, box.max_cpus, "CPUs", "")
+    if not 0 < cpus <= box.max_cpus:
+        raise InvalidArgument(f"sandbox.cpus must be in (0, {box.max_cpus:g}], got {cpus:g}")
+    memory = int(pick("memory_mib", needs.memory_mib, box.memory_mib, box.max_memory_mib, "MiB of memory", " MiB"))
+    if not 16 <= memory <= box.max_memory_mib:
+        raise InvalidArgument(f"sandbox.memory_mib must be between 16 and {box.max_memory_mib}, got {memory}")
+    return cpus, memory
 
 
 def _limits(request: v1.RolloutRequest, settings: Settings, budget_s: float) -> Limits:
@@ -160,16 +198,12 @@ def resolve_plan(request: v1.RolloutRequest, settings: Settings, registry: Handl
     _retry(request, settings)
     box = settings.sandbox
     spec = request.sandbox
-    cpus = spec.cpus if spec.HasField("cpus") else box.cpus
-    if not 0 < cpus <= box.max_cpus:
-        raise InvalidArgument(f"sandbox.cpus must be in (0, {box.max_cpus:g}], got {cpus:g}")
-    memory = spec.memory_mib if spec.HasField("memory_mib") else box.memory_mib
-    if not 16 <= memory <= box.max_memory_mib:
-        raise InvalidArgument(f"sandbox.memory_mib must be between 16 and {box.max_memory_mib}, got {memory}")
+    needs = handler.needs(task)
+    cpus, memory = _resources(request, settings, needs)
     pids = spec.pids_limit if spec.HasField("pids_limit") else box.pids_limit
     if not 8 <= pids <= 65536:
         raise InvalidArgument(f"sandbox.pids_limit must be between 8 and 65536, got {pids}")
-    budget_s = _budget(request, settings)
+    budget_s = _budget(request, settings, needs)
     if request.min_policy_version < 0:
         raise InvalidArgument(f"min_policy_version must not be negative, got {request.min_policy_version}")
     return JobPlan(

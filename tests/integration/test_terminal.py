@@ -1,14 +1,17 @@
 """The terminal family on the shipped Harbor tasks (sandbox_images/terminal/tasks) in real rootless
 Podman sandboxes, each task's image built offline from its translated Dockerfile (make images):
-its oracle solution scores 1 and a wrong one 0, the reward hacks a policy would try score 0, and
-unmodified agent programs do a task through the job's model gateway: the openai-SDK example agent
-driven by a scripted OpenAI-compatible model, and mini-swe-agent driven by a fake vLLM (token ids
-in and out, a byte-level tokenizer), whose calls come back as one exact token chain."""
+its oracle solution scores 1 and a wrong one 0, the reward hacks a policy would try score 0, a
+task's own limits hold (its agent stopped at its agent timeout and judged on what it left, its
+sandboxes given its memory: cgroup v2's memory.max, and what a process may fill, seen from
+inside), and unmodified agent programs do a task
+through the job's model gateway: the openai-SDK example agent driven by a scripted
+OpenAI-compatible model, and mini-swe-agent driven by a fake vLLM (token ids in and out, a
+byte-level tokenizer), whose calls come back as one exact token chain."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +48,20 @@ def commands(*lines: str) -> Any:
     return script
 
 
-async def run_terminal(scripted_llm: Any, start_server: Any, task_id: str, *lines: str) -> v1.RolloutResult:
+async def run_terminal(
+    scripted_llm: Any,
+    start_server: Any,
+    task_id: str,
+    *lines: str,
+    instance: dict[str, Any] | None = None,
+    prepare: Callable[[v1.RolloutRequest], None] = lambda request: None,
+) -> v1.RolloutResult:
+    """A job of a shipped task (or of `instance`) whose policy runs `lines`."""
     llm = await scripted_llm(commands(*lines))
     _, client = await start_server(llm.base_url)
     request = v1.RolloutRequest(handler="terminal")
-    request.instance.update(TASKS[task_id])
+    request.instance.update(instance or TASKS[task_id])
+    prepare(request)
     events = [event async for event in client.rollout(request)]
     result = events[-1].finished.result
     assert result.status == v1.JOB_STATUS_SUCCEEDED, result.failure
@@ -123,6 +135,100 @@ async def test_a_link_out_of_the_workdir_carries_nothing_over(scripted_llm, star
     hack = "ln -s /tests /app/escape && echo 'Hello, world!' > /app/escape/hello.txt && ls -la /app"
     result = await run_terminal(scripted_llm, start_server, "hello-world", hack)
     assert result.reward == 0.0 and result.details["verdict"] == "failed", result.details
+
+
+# --- the task's own limits -----------------------------------------------------------------------
+
+
+async def test_an_agent_past_its_time_is_judged_on_what_it_left(scripted_llm, start_server) -> None:
+    # The oracle's work, then a command that never ends: the agent is stopped at the task's agent
+    # timeout (not at the command's own 600 s), and what it left scores 1.
+    def slow_tools(request: v1.RolloutRequest) -> None:
+        request.limits.tool_timeout.FromSeconds(600)
+
+    instance = {**TASKS["hello-world"], "agent_timeout_s": 30}
+    result = await run_terminal(
+        scripted_llm, start_server, "hello-world", solution("hello-world"), "sleep 3600",
+        instance=instance, prepare=slow_tools,
+    )  # fmt: skip
+    assert result.reward == 1.0 and result.details["verdict"] == "passed", result.details
+    assert result.details["stop_reason"] == "agent_timeout" and result.details["agent_timeout_s"] == 30
+    assert result.timing.run.ToTimedelta().total_seconds() < 600
+
+
+TASK_MEMORY_MIB = 300
+# The memory the sandbox it runs in has, seen from inside: cgroup v2's memory.max where the
+# sandbox has it, and (on any host: a cgroup v1 host's sandbox cannot see the group the server
+# made for it) whether a process may fill a third of the task's memory, and twice it (which the
+# server's default of 1024 MiB would allow).
+MEMORY_PROBE = f"""
+import subprocess
+import sys
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+def fills(mib):
+    done = subprocess.run([sys.executable, "-c", "b = bytearray(%d)" % (mib * MIB)], capture_output=True)
+    return "ok" if done.returncode == 0 else "killed"
+
+
+def memory_probe():
+    v2 = Path("/sys/fs/cgroup/memory.max")
+    cgroup = v2.read_text().strip() if v2.exists() else "none"
+    return "memory.max=%s third=%s twice=%s" % (cgroup, fills({TASK_MEMORY_MIB} // 3), fills(2 * {TASK_MEMORY_MIB}))
+"""
+EXPECTED_PROBE = rf"memory\.max=({TASK_MEMORY_MIB << 20}|none) third=ok twice=killed"
+
+
+def memory_task(root: Path) -> dict[str, Any]:
+    """A Harbor task, imported: its task.toml asks for 300 MiB, and its tests pass when both the
+    agent's sandbox (as the agent wrote its probe to /app/memory.txt) and their own have it."""
+    files = {
+        "task.toml": (
+            "[agent]\ntimeout_sec = 300\n[verifier]\ntimeout_sec = 120\n"
+            f'[environment]\ndocker_image = "localhost/prorl-harbor-hello-world:latest"\n'
+            f"cpus = 1\nmemory_mb = {TASK_MEMORY_MIB}\n"
+        ),
+        "instruction.md": "Write what your sandbox's memory allows to /app/memory.txt.\n",
+        "tests/test.sh": "#!/bin/bash\npytest /tests/test_memory.py -rA\n",
+        "tests/test_memory.py": MEMORY_PROBE
+        + (
+            f"\n\nEXPECTED = {EXPECTED_PROBE!r}\n\n\n"
+            "def test_the_agents_sandbox_had_the_tasks_memory():\n"
+            "    import re\n"
+            '    assert re.fullmatch(EXPECTED, Path("/app/memory.txt").read_text().strip())\n\n\n'
+            "def test_the_tests_sandbox_has_it_too():\n"
+            "    import re\n"
+            "    assert re.fullmatch(EXPECTED, memory_probe())\n"
+        ),
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    imported = import_folders([root])
+    assert imported.refused == [], imported.refused
+    return dict(imported.tasks[0]["instance"])
+
+
+async def test_the_sandboxes_have_the_tasks_memory(scripted_llm, start_server, tmp_path: Path) -> None:
+    instance = memory_task(tmp_path / "memory-limit")
+    assert instance["memory_mib"] == TASK_MEMORY_MIB
+    write = f"python3 - > /app/memory.txt <<'EOF'\n{MEMORY_PROBE}\nprint(memory_probe())\nEOF"
+    result = await run_terminal(scripted_llm, start_server, "memory-limit", write, instance=instance)
+    assert result.reward == 1.0 and result.details["verdict"] == "passed", result.details["log_tail"]
+    assert statuses(result) == {
+        "test_memory.py::test_the_agents_sandbox_had_the_tasks_memory": "PASSED",
+        "test_memory.py::test_the_tests_sandbox_has_it_too": "PASSED",
+    }
+
+    # The control: the request's own sandbox.memory_mib wins over the task's, and the probe tells.
+    def more(request: v1.RolloutRequest) -> None:
+        request.sandbox.memory_mib = 1024
+
+    result = await run_terminal(scripted_llm, start_server, "memory-limit", write, instance=instance, prepare=more)
+    assert result.reward == 0.0 and "twice=ok" in result.details["log_tail"], result.details["log_tail"]
 
 
 def example_agent(command: str) -> Any:

@@ -12,7 +12,7 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,20 @@ class Rollout:
 
 
 async def rollout(
-    provider: FakeSandboxProvider, handler: str, instance: dict[str, Any], replies: Replies, *, max_turns: int = 5
+    provider: FakeSandboxProvider,
+    handler: str,
+    instance: dict[str, Any],
+    replies: Replies,
+    *,
+    max_turns: int = 5,
+    prepare: Callable[[v1.RolloutRequest], None] = lambda request: None,
 ) -> Rollout:
-    """One job of `handler` through a pipeline over `provider` and a backend playing `replies`."""
+    """One job of `handler` through a pipeline over `provider` and a backend playing `replies`
+    (`prepare` sets more of the request)."""
     request = v1.RolloutRequest(job_id=f"{handler}-job", handler=handler)
     request.instance.update(instance)
     request.limits.max_turns = max_turns
+    prepare(request)
     job = JobRecord(
         job_id=request.job_id,
         number=1,

@@ -163,3 +163,148 @@ def test_run_lines_keep_local_commands_and_drop_what_the_base_has() -> None:
     assert dropped == ["apt-get update", "apt-get install -y python3 git"]
     environment = translate_dockerfile("FROM debian:bookworm\nENV A=1\n", environment_dir=Path("."), base_images={})
     assert "ENV A=1" in environment.containerfile.splitlines()
+
+
+# --- task.toml's limits (prorl_client/harbor_limits.py) ------------------------------------------
+
+
+def imported_instance(tmp_path: Path, toml: str, **options: bool) -> dict[str, object]:
+    imported = import_folders([write_task(tmp_path, **{"task.toml": toml})], **options)  # type: ignore[arg-type]
+    assert imported.refused == [], imported.refused
+    return dict(imported.tasks[0]["instance"])
+
+
+def test_the_shipped_tasks_carry_their_limits() -> None:
+    instances = {task["id"]: task["instance"] for task in import_folders([TASKS_DIR]).tasks}
+    assert {name: instance["agent_timeout_s"] for name, instance in instances.items()} == {
+        "csv-region-totals": 300.0,
+        "fix-word-count": 600.0,
+        "hello-world": 120.0,
+    }
+    for instance in instances.values():
+        assert (instance["cpus"], instance["memory_mib"], instance["verifier_timeout_s"]) == (1, 1024, 120.0)
+        assert "storage_mib" not in instance  # none of them sets it
+
+
+def test_limits_in_harbors_spellings(tmp_path: Path) -> None:
+    toml = (
+        "[agent]\ntimeout_sec = 45\n[verifier]\ntimeout_sec = 90.5\n"
+        '[environment]\ncpus = 2\nmemory = "2G"\nstorage = "10G"\nbuild_timeout_sec = 600.0\n'
+        'network_mode = "no-network"\ngpus = 0\nos = "Linux"\nworkdir = "/srv/app"\n'
+    )
+    instance = imported_instance(tmp_path / "a", toml)
+    assert (instance["agent_timeout_s"], instance["verifier_timeout_s"]) == (45.0, 90.5)
+    assert (instance["cpus"], instance["memory_mib"], instance["storage_mib"]) == (2, 2048, 10240)
+    assert instance["workdir"] == "/srv/app"  # [environment] workdir wins over the Dockerfile's
+    handler = default_registry(plugins=False).get("terminal")
+    handler.validate(instance)
+    # Nothing set: Harbor's default verifier time, no agent timeout, no resources.
+    bare = imported_instance(tmp_path / "b", "# no limits\n")
+    assert (bare["agent_timeout_s"], bare["verifier_timeout_s"]) == (0.0, 600.0)
+    assert not {"cpus", "memory_mib", "storage_mib"} & set(bare)
+    same = imported_instance(tmp_path / "c", '[environment]\nmemory = "512M"\nmemory_mb = 512\n')
+    assert same["memory_mib"] == 512
+
+
+def test_a_workdir_from_task_toml_is_the_agents_in_the_built_image(tmp_path: Path) -> None:
+    folder = write_task(tmp_path, **{"task.toml": '[environment]\nworkdir = "/srv/app"\n'})
+    environment = next(iter(import_folders([folder]).environments.values()))
+    lines = environment.containerfile.splitlines()
+    assert lines[-1] == "WORKDIR /srv/app" and "chown -R 1000:1000 /srv/app /tests /logs" in environment.containerfile
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("[agent]\ntimeout_sec = -5\n", "[agent] timeout_sec = -5 is not a positive number of seconds"),
+        ('[agent]\ntimeout_sec = "soon"\n', "[agent] timeout_sec = 'soon' is not a positive number"),
+        ("[agent]\ntimeout_sec = inf\n", "[agent] timeout_sec = inf is not a positive number"),
+        ("[agent]\ntimeout_sec = nan\n", "[agent] timeout_sec = nan is not a positive number"),
+        ("[agent]\ntimeout_sec = true\n", "[agent] timeout_sec = True is not a positive number"),
+        ("[agent]\ntimeout_sec = 100000\n", "is over 86400 s, the most a terminal task may set"),
+        ("[verifier]\ntimeout_sec = 7200\n", "[verifier] timeout_sec = 7200 is over 3600 s"),
+        ("[environment]\ncpus = 1.5\n", "[environment] cpus = 1.5 is not a whole number of at least 1"),
+        ('[environment]\ncpus = "two"\n', "[environment] cpus = 'two' is not a whole number"),
+        ("[environment]\ncpus = 0\n", "[environment] cpus = 0 is not a whole number of at least 1"),
+        ("[environment]\nmemory_mb = 8\n", "[environment] memory_mb = 8 is not a whole number of at least 16"),
+        ('[environment]\nmemory = "lots"\n', "[environment] memory = 'lots' is not a size such as \"4G\""),
+        ('[environment]\nmemory = "4GB"\n', "[environment] memory = '4GB' is not a size"),
+        ('[environment]\nmemory = "1G"\nmemory_mb = 2048\n', "memory = '1G' and memory_mb = 2048 disagree"),
+        ('[environment]\nstorage = "-1G"\n', "[environment] storage = '-1G' is not a size"),
+        ('[environment]\nallow_internet = "yes"\n', "allow_internet = 'yes' is not true or false"),
+        ('[environment]\nnetwork_mode = "sometimes"\n', "network_mode = 'sometimes' is not one of public"),
+        ('[agent]\nallowed_hosts = "pypi.org"\n', "[agent] allowed_hosts = 'pypi.org' is not a list of host names"),
+        ("[environment]\ndisk_quota = 10\n", "[environment] sets disk_quota, which this importer does not know"),
+        ("[agent]\nmax_steps = 10\nturns = 2\n", "[agent] sets max_steps, turns, which this importer does not know"),
+        ("[verifier]\nretries = 3\n", "[verifier] sets retries, which this importer does not know"),
+        ('environment = "big"\n', "its task.toml's environment is not a table"),
+        ('[environment]\nworkdir = "app"\n', "[environment] workdir = 'app' is not an absolute path"),
+        ("[environment]\nbuild_timeout_sec = -1\n", "[environment] build_timeout_sec = -1 is not a positive number"),
+        ('[agent]\nsetup_timeout_sec = "x"\n', "[agent] setup_timeout_sec = 'x' is not a positive number"),
+    ],
+)
+def test_unknown_or_malformed_limits_are_refused(tmp_path: Path, toml: str, expected: str) -> None:
+    assert expected in refusal(write_task(tmp_path, **{"task.toml": toml}))
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("[environment]\ngpus = 1\n", "[environment] gpus = 1: the sandboxes here have no GPU"),
+        ('[environment]\ntpu = { type = "v6e", topology = "2x4" }\n', "asks for a TPU"),
+        ('[environment]\nos = "windows"\n', "[environment] os = 'windows': the sandboxes here are Linux"),
+        ('[agent]\nuser = "root"\n', "[agent] user = 'root': it runs the agent as that user"),
+        ("[verifier]\nuser = 0\n", "[verifier] user = 0: it runs the tests as that user"),
+        ('[environment]\nenv = { API_KEY = "${API_KEY}" }\n', "takes variables from the host"),
+        ('[verifier]\nenv = { MODE = "strict" }\n', "[verifier] env sets variables for the tests"),
+        ('[[environment.mcp_servers]]\nname = "x"\nurl = "http://x"\n', "mcp_servers gives the agent MCP servers"),
+        ('[environment.healthcheck]\ncommand = "curl localhost"\n', "healthcheck waits for a service"),
+        ('[[verifier.collect]]\ncommand = "cp a b"\n', "[[verifier.collect]] runs hooks after the agent"),
+        ('[verifier.environment]\ndocker_image = "x"\n', "defines an environment of the tests' own"),
+        ('[[steps]]\nname = "one"\n', "it is a multi-step task"),
+    ],
+)
+def test_what_the_sandboxes_cannot_give_is_refused(tmp_path: Path, toml: str, expected: str) -> None:
+    assert expected in refusal(write_task(tmp_path, **{"task.toml": toml}))
+
+
+@pytest.mark.parametrize(
+    ("toml", "field"),
+    [
+        ("[environment]\nallow_internet = true\n", "[environment] allow_internet = true"),
+        ('[environment]\nnetwork_mode = "public"\n', "[environment] network_mode = 'public'"),
+        # A phase's own mode overrides the environment's.
+        ('[environment]\nnetwork_mode = "no-network"\n[agent]\nnetwork_mode = "public"\n', "[agent] network_mode"),
+        ('[verifier]\nnetwork_mode = "public"\n', "[verifier] network_mode = 'public'"),
+        ('[agent]\nnetwork_mode = "allowlist"\nallowed_hosts = ["pypi.org"]\n', "[agent] allowed_hosts = ['pypi.org']"),
+    ],
+)
+def test_a_task_given_the_internet_is_refused_unless_the_operator_says_so(
+    tmp_path: Path, toml: str, field: str
+) -> None:
+    reason = refusal(write_task(tmp_path / "a", **{"task.toml": toml}))
+    assert f"gives it network access ({field}" in reason and "the sandboxes here have none" in reason
+    assert "--no-internet-ok" in reason
+    imported_instance(tmp_path / "b", toml, internet_ok=True)  # the operator's word: it runs without
+
+
+def test_no_network_or_no_word_about_it_is_imported(tmp_path: Path) -> None:
+    imported_instance(tmp_path / "a", "[environment]\nallow_internet = false\n")
+    # network_mode is Harbor's newer field, and wins over the older boolean.
+    imported_instance(tmp_path / "b", '[environment]\nallow_internet = true\nnetwork_mode = "no-network"\n')
+    imported_instance(tmp_path / "c", "[environment]\ncpus = 1\n")  # Harbor's default allows it; none is needed
+
+
+def test_the_sandboxes_own_user_may_be_named(tmp_path: Path) -> None:
+    imported_instance(tmp_path / "a", '[agent]\nuser = "agent"\n[verifier]\nuser = 1000\n')
+
+
+def test_the_cli_imports_a_task_given_the_internet_only_when_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = write_task(tmp_path, **{"task.toml": "[environment]\nallow_internet = true\n"})
+    out = tmp_path / "tasks.jsonl"
+    assert main(["import-harbor", str(folder), "--out", str(out)]) == 1
+    assert "allow_internet = true" in capsys.readouterr().err and out.read_text() == ""
+    assert main(["import-harbor", str(folder), "--out", str(out), "--no-internet-ok"]) == 0
+    assert len(out.read_text().splitlines()) == 1

@@ -10,11 +10,12 @@ solutions alike; tests/integration/test_terminal.py runs the same tasks unchange
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import shutil
 import tarfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,18 @@ import pytest
 import pytest_asyncio
 from prorl_client.harbor_import import import_folders
 
+from prorl_client import v1
 from prorl_server.agents import terminal
+from prorl_server.agents.base import Limits, RolloutContext
 from prorl_server.agents.command import CommandHandler
+from prorl_server.agents.registry import default_registry
+from prorl_server.agents.terminal import TerminalInstance
+from prorl_server.config import Settings, load_settings
 from prorl_server.errors import InvalidArgument
+from prorl_server.jobs.phase_runner import BudgetClock
+from prorl_server.jobs.record import JobPlan
+from prorl_server.jobs.validation import resolve_plan
+from prorl_server.llm.base import Sampling
 from prorl_server.sandbox.runtime import prorl_judge
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
@@ -111,13 +121,19 @@ def instance_on_host(task_id: str, provider: FakeSandboxProvider) -> dict[str, A
     return instance
 
 
-async def run_commands(provider: FakeSandboxProvider, task_id: str, *commands: str) -> Rollout:
-    """The policy: each command in the working directory (paths made host paths), then finish."""
+async def run_commands(
+    provider: FakeSandboxProvider,
+    task_id: str,
+    *commands: str,
+    changes: dict[str, Any] | None = None,
+    prepare: Callable[[v1.RolloutRequest], None] = lambda request: None,
+) -> Rollout:
+    """The policy: each command in the working directory (paths made host paths), then finish;
+    `changes` to the task's instance."""
     app = paths(provider)["/app"]
     calls = [tool_call_text("bash", {"command": f"cd {app} && {on_host(c, provider)}"}) for c in commands]
-    return await rollout(
-        provider, "terminal", instance_on_host(task_id, provider), [*calls, tool_call_text("finish", {})]
-    )
+    instance = {**instance_on_host(task_id, provider), **(changes or {})}
+    return await rollout(provider, "terminal", instance, [*calls, tool_call_text("finish", {})], prepare=prepare)
 
 
 def statuses(run: Rollout) -> dict[str, str]:
@@ -284,3 +300,148 @@ def test_an_agent_program_is_judged_on_its_working_directory() -> None:
         judged = task if verifier == "terminal" else {"question": "?", "answer": "1"}
         with pytest.raises(InvalidArgument, match="working directory"):
             handler.validate({"program": program, "verifier": verifier, "task": judged, "submission": submission})
+
+
+# --- the task's own limits (task.toml), enforced ------------------------------------------------
+
+AGENT_TIMEOUT_S = 15.0
+"""Long enough for the policy's first quick command on a loaded machine; its second never ends."""
+SMALL_SERVER = load_settings(
+    None, environ={}, overrides={"jobs": {"store": False}, "sandbox": {"max_cpus": 2, "max_memory_mib": 2048}}
+)
+
+
+def plan_of(
+    instance: dict[str, Any],
+    prepare: Callable[[v1.RolloutRequest], None] = lambda request: None,
+    settings: Settings = SMALL_SERVER,
+    handler: str = "terminal",
+) -> JobPlan:
+    request = v1.RolloutRequest(job_id="plan", handler=handler)
+    request.instance.update(instance)
+    prepare(request)
+    return resolve_plan(request, settings, default_registry())
+
+
+async def test_the_tasks_cpus_and_memory_reach_the_plan_and_its_sandboxes(provider: FakeSandboxProvider) -> None:
+    run = await run_commands(provider, "hello-world", solution("hello-world"), changes={"cpus": 2, "memory_mib": 768})
+    succeeded(run, 1.0)
+    # The agent's sandbox and the judge's fresh one alike.
+    assert [(spec.cpus, spec.memory_mib) for spec in run.sandboxes] == [(2.0, 768)] * 2
+    task = TASKS["hello-world"]  # imported: cpus = 1, memory_mb = 1024
+    plan = plan_of(task)
+    assert (plan.cpus, plan.memory_mib) == (1.0, 1024)
+    bare = {key: value for key, value in task.items() if key not in ("cpus", "memory_mib")}
+    assert (plan_of(bare).cpus, plan_of(bare).memory_mib) == (
+        SMALL_SERVER.sandbox.cpus,
+        SMALL_SERVER.sandbox.memory_mib,
+    )
+
+    def smaller(request: v1.RolloutRequest) -> None:
+        request.sandbox.cpus, request.sandbox.memory_mib = 0.5, 512
+
+    plan = plan_of({**task, "cpus": 2, "memory_mib": 2048}, smaller)  # the request's own word wins
+    assert (plan.cpus, plan.memory_mib) == (0.5, 512)
+
+
+def test_a_task_asking_more_than_the_server_gives_is_refused_naming_the_setting() -> None:
+    task = TASKS["hello-world"]
+    with pytest.raises(InvalidArgument, match=r"asks for 4 CPUs .*at most 2 \(setting sandbox\.max_cpus\)"):
+        plan_of({**task, "cpus": 4})
+    with pytest.raises(
+        InvalidArgument, match=r"4096 MiB of memory .*at most 2048 MiB \(setting sandbox\.max_memory_mib\)"
+    ):
+        plan_of({**task, "memory_mib": 4096})
+
+    def within(request: v1.RolloutRequest) -> None:
+        request.sandbox.cpus, request.sandbox.memory_mib = 2, 2048
+
+    assert plan_of({**task, "cpus": 4, "memory_mib": 4096}, within).cpus == 2  # asked for less: runs with less
+
+
+def test_the_budget_lets_the_tasks_own_limits_play_out() -> None:
+    task = {**TASKS["hello-world"], "agent_timeout_s": 3000, "verifier_timeout_s": 120}
+    needed = 3000 + 120 + terminal.OVERHEAD_S
+    assert plan_of(task).budget_s == needed  # over the default budget (1800 s): raised to it
+    assert plan_of(TASKS["hello-world"]).budget_s == SMALL_SERVER.jobs.default_budget_s
+
+    def budget(seconds: int) -> Callable[[v1.RolloutRequest], None]:
+        return lambda request: request.limits.budget.FromSeconds(seconds)
+
+    assert plan_of(task, budget(4000)).budget_s == 4000
+    with pytest.raises(InvalidArgument, match=rf"limits.budget 600s is less than the {needed:g}s the task's own"):
+        plan_of(task, budget(600))
+    with pytest.raises(InvalidArgument, match=r"over this server's maximum of 14400s \(setting jobs.max_budget_s\)"):
+        plan_of({**task, "agent_timeout_s": 20000})
+
+
+async def test_an_agent_past_its_time_is_stopped_and_judged_on_what_it_left(provider: FakeSandboxProvider) -> None:
+    # The policy writes a hello file with the wrong text, then would write the right one after a
+    # command that never ends. At the task's agent timeout the command is stopped (well before
+    # its own tool timeout) and the working directory as it was then is judged.
+    def slow_tools(request: v1.RolloutRequest) -> None:
+        request.limits.tool_timeout.FromSeconds(600)
+
+    commands = ("echo 'Hello' > /app/hello.txt", "sleep 3600; echo 'Hello, world!' > /app/hello.txt")
+    run = await run_commands(
+        provider, "hello-world", *commands, changes={"agent_timeout_s": AGENT_TIMEOUT_S}, prepare=slow_tools
+    )
+    succeeded(run, 0.0)
+    assert run.details["stop_reason"] == "agent_timeout" and run.details["agent_timeout_s"] == AGENT_TIMEOUT_S
+    assert statuses(run) == {
+        "test_outputs.py::test_hello_file_exists": "PASSED",  # what it did in time carried over
+        "test_outputs.py::test_hello_file_contents": "FAILED",  # what it would have done after, not
+    }
+    assert run.result.timing.run.ToTimedelta().total_seconds() < 600  # not left to the sleep's own timeout
+
+
+async def test_the_tests_run_within_the_tasks_verifier_timeout(provider: FakeSandboxProvider) -> None:
+    # Each test runs wordfreq.py with a 60 s timeout of its own; the policy's wordfreq.py never ends.
+    hang = "printf 'import time\\ntime.sleep(3600)\\n' > /app/wordfreq.py"
+    run = await run_commands(provider, "fix-word-count", hang, changes={"verifier_timeout_s": 5})
+    succeeded(run, 0.0)
+    assert run.details["verdict"] == "tests_timed_out", run.details
+
+
+async def test_the_agents_time_stops_while_the_job_waits_for_a_model_slot() -> None:
+    clock = BudgetClock()
+    ctx: RolloutContext[Any] = RolloutContext(
+        job_id="clock",
+        instance=TerminalInstance.model_validate(TASKS["hello-world"]),
+        limits=Limits(max_turns=1, tool_timeout_s=1000),
+        sampling=Sampling(max_tokens=16, temperature=0.0),
+        chat=None,  # type: ignore[arg-type]
+        sandbox_factory=None,  # type: ignore[arg-type]
+        recorder=None,  # type: ignore[arg-type]
+        clock=clock,
+    )
+    assert ctx.tool_timeout_s == 1000
+    waited_past_them = False
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.5) as budget:  # the job's budget, governed as the agent's time is
+            with clock.governing(budget):
+                async with ctx.time_limit(0.5) as deadline:
+                    assert 0 < ctx.tool_timeout_s <= 0.5  # a tool call gets no more than what is left
+                    with clock.waiting_for_model():
+                        await asyncio.sleep(1.0)  # past both limits, which stand still meanwhile
+                    assert not deadline.expired() and not budget.expired()
+                    waited_past_them = True
+                    await asyncio.sleep(3600)
+    assert waited_past_them and deadline.expired() and clock.model_wait_s >= 1.0
+    assert ctx.tool_timeout_s == 1000  # the limit is over
+
+
+def test_an_agent_programs_time_is_the_tasks_agent_timeout() -> None:
+    handler = CommandHandler()
+
+    def instance(program_s: float, agent_s: float) -> Any:
+        task = {**TASKS["hello-world"], "agent_timeout_s": agent_s}
+        program = {"argv": ["agent"], "cwd": "/app", "timeout_s": program_s}
+        return handler.validate({"program": program, "verifier": "terminal", "task": task, "submission": "workdir"})
+
+    assert handler.program_timeout_s(instance(600, 45)) == 45
+    assert handler.program_timeout_s(instance(30, 45)) == 30
+    assert handler.program_timeout_s(instance(600, 0)) == 600  # the task sets none
+    needs = handler.needs(instance(600, 45))
+    assert needs.budget_s == 45 + 120 + terminal.OVERHEAD_S and (needs.cpus, needs.memory_mib) == (1, 1024)
+    assert handler.needs(instance(600, 0)).budget_s == 0

@@ -8,8 +8,12 @@ folder or a folder of them.
 
 Each task becomes {"id": name, "handler": "terminal", "instance": {...}} with
 the instruction, the files of tests/ (text), the pytest files test.sh runs
-(`test_files`), the Dockerfile's WORKDIR (default /app), the time limits, and
-the image. A task is refused, with its reason on standard error, when:
+(`test_files`), the Dockerfile's WORKDIR (default /app; [environment] workdir
+over it), the time limits and resources of its task.toml (checked by
+prorl_client.harbor_limits, which the server then enforces), and the image. A
+task is refused, with its reason on standard error, when:
+- its task.toml sets a limit that is unknown or malformed, or asks for what the
+  sandboxes here do not have (network, GPUs, ...: see harbor_limits);
 - test.sh runs no pytest file of tests/ (a script that only writes a reward
   file cannot be judged: the terminal family reads each test's outcome from its
   own reporter, never a reward file or printed output);
@@ -49,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from prorl_client.harbor_limits import Refused, read_limits
+
 try:
     import tomllib
 except ModuleNotFoundError:  # python 3.10: its backport
@@ -73,13 +79,8 @@ LOCAL_DEBIAN_PACKAGES = frozenset(
 )  # fmt: skip
 LOCAL_PIP_PACKAGES = frozenset({"pytest", "pluggy", "iniconfig", "packaging"})
 DEFAULT_WORKDIR = "/app"
-DEFAULT_VERIFIER_TIMEOUT_S = 300.0
 _NETWORK = re.compile(r"\b(curl|wget|git\s+clone|uv\s+(?:pip|add|sync|tool)|uvx|npm|conda)\b|https?://")
 _PYTEST_FILE = re.compile(r"([\w./${}:-]*?)([\w.-]+(?:/[\w.-]+)*\.py)\b")
-
-
-class Refused(Exception):
-    """A task this server cannot run or judge; the message says why."""
 
 
 @dataclass
@@ -209,8 +210,11 @@ def translate_run(command: str) -> tuple[list[str], list[str]]:
     return kept, dropped
 
 
-def translate_dockerfile(text: str, *, environment_dir: Path, base_images: dict[str, str]) -> Environment:
-    """The Containerfile that builds a Dockerfile's environment offline (or Refused, saying why)."""
+def translate_dockerfile(
+    text: str, *, environment_dir: Path, base_images: dict[str, str], workdir_override: str | None = None
+) -> Environment:
+    """The Containerfile that builds a Dockerfile's environment offline (or Refused, saying why);
+    `workdir_override` (task.toml's [environment] workdir) is where the agent works, over WORKDIR."""
     body: list[str] = []
     dropped: list[str] = []
     base = ""
@@ -259,6 +263,7 @@ def translate_dockerfile(text: str, *, environment_dir: Path, base_images: dict[
             raise Refused(f"its Dockerfile has an instruction that is not translated: {instruction}")
     if not base:
         raise Refused("its Dockerfile has no FROM")
+    workdir = workdir_override or workdir
     owned = " ".join(shlex.quote(path) for path in (workdir, "/tests", "/logs"))
     containerfile = "\n".join(
         [
@@ -310,13 +315,14 @@ def _table(config: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def read_task(
-    folder: Path, *, base_images: dict[str, str], images: dict[str, str]
+    folder: Path, *, base_images: dict[str, str], images: dict[str, str], internet_ok: bool = False
 ) -> tuple[dict[str, Any], Environment]:
     """One task folder as a task line, and how its image is had."""
     try:
         config = tomllib.loads((folder / "task.toml").read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise Refused(f"its task.toml cannot be read: {exc}") from None
+    limits = read_limits(config, internet_ok=internet_ok)
     instruction_path = folder / "instruction.md"
     if not instruction_path.is_file():
         raise Refused("it has no instruction.md")
@@ -350,14 +356,17 @@ def read_task(
             environment.workdir = workdirs[-1] if workdirs and workdirs[-1].startswith("/") else DEFAULT_WORKDIR
     elif dockerfile.is_file():
         environment = translate_dockerfile(
-            dockerfile.read_text(), environment_dir=folder / "environment", base_images=base_images
+            dockerfile.read_text(),
+            environment_dir=folder / "environment",
+            base_images=base_images,
+            workdir_override=limits.workdir,
         )
         environment.image = image_name(name)
     else:
         raise Refused("it has neither environment/Dockerfile nor [environment] docker_image")
+    environment.workdir = limits.workdir or environment.workdir
     if environment.workdir.rstrip("/") in ("", "/tests") or environment.workdir.startswith("/tests/"):
         raise Refused(f"its working directory {environment.workdir!r} would hold or be inside the tests folder")
-    verifier, agent = _table(config, "verifier"), _table(config, "agent")
     instance: dict[str, Any] = {
         "name": name,
         "instruction": instruction,
@@ -365,22 +374,27 @@ def read_task(
         "workdir": environment.workdir,
         "tests": tests,
         "test_files": test_files,
-        "verifier_timeout_s": float(verifier.get("timeout_sec") or DEFAULT_VERIFIER_TIMEOUT_S),
-        "agent_timeout_s": float(agent.get("timeout_sec") or 0),
+        **limits.instance_fields(),
         "source": str(folder),
     }
     return {"id": name, "handler": "terminal", "instance": instance}, environment
 
 
 def import_folders(
-    paths: Sequence[Path], *, base_images: dict[str, str] | None = None, images: dict[str, str] | None = None
+    paths: Sequence[Path],
+    *,
+    base_images: dict[str, str] | None = None,
+    images: dict[str, str] | None = None,
+    internet_ok: bool = False,
 ) -> Imported:
     tasks: list[dict[str, Any]] = []
     refused: list[tuple[str, str]] = []
     environments: dict[str, Environment] = {}
     for folder in task_folders(paths):
         try:
-            task, environment = read_task(folder, base_images=base_images or {}, images=images or {})
+            task, environment = read_task(
+                folder, base_images=base_images or {}, images=images or {}, internet_ok=internet_ok
+            )
             if task["id"] in environments:
                 raise Refused("a second task with this name")
         except Refused as exc:
@@ -433,6 +447,11 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--image", action="append", default=[], metavar="NAME=LOCAL", help="rename a task's pre-loaded docker_image"
     )
+    parser.add_argument(
+        "--no-internet-ok",
+        action="store_true",
+        help="import tasks whose task.toml gives them network access, to run without it (the sandboxes have none)",
+    )
 
 
 def _write(tasks: Iterable[dict[str, Any]], out: TextIO) -> None:
@@ -450,6 +469,7 @@ def command(args: argparse.Namespace) -> int:
         args.folders,
         base_images=_pairs(args.base_image, "--base-image"),
         images=_pairs(args.image, "--image"),
+        internet_ok=args.no_internet_ok,
     )
     for task_id, environment in result.environments.items():
         if environment.context is None:
