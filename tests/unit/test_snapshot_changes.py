@@ -9,7 +9,10 @@ a commit and an `update-index --assume-unchanged` that hide changes from git, a 
 .git, one outside the repository); the archive holds those entries and nothing else, and a
 fresh sandbox restored from it, and a fork of that fork, list the same entries, modes, link
 targets and sha256 as the parent. Then the archives a policy could forge in the new format,
-refused by the host and by the unpacking script alike."""
+refused by the host and by the unpacking script alike; last, a forkable SWE job through a real
+server and ForkJob (the tool loop lists the repository before its first turn), whose stored
+snapshot holds its three changed files, and whose fork sees the parent's repository and is
+judged resolved on it."""
 
 from __future__ import annotations
 
@@ -19,12 +22,16 @@ import os
 import subprocess
 import sys
 import tarfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
+from prorl_client import Client, v1
+from prorl_server.app import ProrlServer
+from prorl_server.config import load_settings
 from prorl_server.sandbox import snapshot
 from prorl_server.sandbox.base import SandboxSpec
 from prorl_server.sandbox.sandbox import Sandbox
@@ -38,8 +45,10 @@ from prorl_server.sandbox.snapshot import (
     record_base,
     restore,
 )
-from tests.conftest import instance_id
+from prorl_server.testing.scripted_llm import ScriptedLLMServer, ScriptedReply, tool_call_text, turn_index
+from tests.conftest import TEST_STATE_DIR, instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
+from tests.unit.test_families_fast import SUBMISSION, SWE_IMAGE, calc_repository, swe_instance
 from tests.unit.test_snapshot_archive import archive
 
 IMAGE = "localhost/prorl-swe-fake__tree-1.0:latest"
@@ -319,3 +328,95 @@ def test_the_unpacking_script_applies_changes_over_the_images_files(tmp_path: Pa
     assert (repo / "out").is_symlink() and (repo / ".git" / "config").exists()
     assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == ["prorl-bash-1"]  # cleared but for the scratch
     assert (tmp_path / "tmp" / "prorl-bash-1" / "rc").read_text() == "the session's"
+
+
+# --- ForkJob of a SWE job: the loop lists the repository before its first turn ---------------
+
+
+@pytest.fixture
+def submission_file() -> Iterator[None]:
+    """The SWE handler writes its diff to a host path with the fake: removed after the test
+    unless it was there before."""
+    existed = os.path.lexists(SUBMISSION)
+    if existed and not os.access(SUBMISSION, os.W_OK):
+        pytest.skip(f"{SUBMISSION} belongs to someone else on this host")
+    yield
+    if not existed and os.path.lexists(SUBMISSION):
+        os.unlink(SUBMISSION)
+
+
+def calc_with_notes(workdir: Path) -> None:
+    """The SWE family's fake calc image, with a file the image holds untracked."""
+    calc_repository(workdir)
+    (workdir / "repo" / "NOTES.txt").write_text("untracked in the image\n")
+
+
+async def test_a_forked_swe_job_restores_the_repository_from_its_changes(submission_file: None) -> None:
+    provider = FakeSandboxProvider(
+        images={SWE_IMAGE: calc_with_notes}, instance_id=instance_id("swefork"), fixed_workdir=True
+    )
+    instance = {key: value for key, value in swe_instance(provider).items() if key != "patch"}
+    repo = instance["repo_dir"]
+    turns = [
+        # turn 0: the fix, a new file, a deletion, a mode, a link, and a move of the shell
+        f"cd {repo} && sed -i '2s/a - b/a + b/' calc.py && printf 'x = 1\\n' > extra.py "
+        "&& rm NOTES.txt && chmod 0700 extra.py && ln -s calc.py alias.py && cd tests",
+        f"cd {repo} && find . -path ./.git -prune -o -printf '%p %y %m %l\\n' | LC_ALL=C sort "
+        "&& find . -path ./.git -prune -o -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum",
+    ]
+
+    def policy(messages: list[dict[str, Any]]) -> ScriptedReply:
+        turn = turn_index(messages)
+        if turn < len(turns):
+            return ScriptedReply(tool_call_text("bash", {"command": turns[turn]}))
+        return ScriptedReply(tool_call_text("finish", {}))
+
+    llm = ScriptedLLMServer(policy)
+    await llm.start()
+    settings = load_settings(
+        None,
+        environ={},
+        overrides={
+            "server": {"port": 0, "instance_id": instance_id("server"), "shutdown_grace_s": 0},
+            "jobs": {"store": False},
+            "sandbox": {"state_dir": str(TEST_STATE_DIR)},
+            "llm": {"backends": [{"id": "scripted", "base_url": llm.base_url}], "embedded": {"enabled": "never"}},
+        },
+    )
+    server = ProrlServer(settings, sandbox_provider=provider)
+    await server.start()
+    client = Client.connect(server.address)
+    try:
+        request = v1.RolloutRequest(job_id="swe-parent", handler="swe", forkable=True)
+        request.instance.update(instance)
+        request.limits.max_turns = 6
+        events = [event async for event in client.rollout(request)]
+        parent = events[-1].finished.result
+        assert parent.status == v1.JOB_STATUS_SUCCEEDED and parent.reward == 1.0, (
+            parent.failure,
+            {k: str(v)[:300] for k, v in parent.details.items()},
+        )
+        listing = [e.tool_result.output for e in events if e.HasField("tool_result")][1]
+        assert "./extra.py f 700 \n" in listing and "./alias.py l 777 calc.py\n" in listing
+        assert "NOTES" not in listing
+
+        # The snapshot after turn 0 on disk: the changed entries, not the repository.
+        kept = sorted((TEST_STATE_DIR / "forks" / settings.server.instance_id).rglob("0.tar"))
+        assert len(kept) == 1
+        with tarfile.open(kept[0]) as tar:
+            names = {m.name for m in tar.getmembers() if m.name.startswith("repo/") and not m.isdir()}
+            listed = tar.extractfile(snapshot.DELETED)
+            assert listed is not None and listed.read() == b"repo/NOTES.txt"
+        assert names == {"repo/calc.py", "repo/extra.py", "repo/alias.py"}
+
+        await client.fork_job("swe-parent", 0, [v1.ForkBranch(job_id="swe-fork")])
+        fork_events = [event async for event in client.watch("swe-fork")]
+        fork = fork_events[-1].finished.result
+        assert fork.status == v1.JOB_STATUS_SUCCEEDED, fork.failure
+        assert next(e.tool_result.output for e in fork_events if e.HasField("tool_result")) == listing
+        assert fork.reward == 1.0 and fork.details["patch"] == parent.details["patch"]
+    finally:
+        await client.close()
+        await server.stop()
+        await llm.stop()
+    assert provider.busy == 0
