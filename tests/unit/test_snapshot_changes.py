@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import tarfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +48,11 @@ from prorl_server.sandbox.snapshot import (
 from prorl_server.testing.scripted_llm import ScriptedLLMServer, ScriptedReply, tool_call_text, turn_index
 from tests.conftest import TEST_STATE_DIR, instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
-from tests.unit.test_families_fast import SUBMISSION, SWE_IMAGE, calc_repository, swe_instance
+from tests.unit import test_families_fast as families
+from tests.unit.test_families_fast import GIT, SWE_IMAGE, calc_repository, swe_instance
 from tests.unit.test_snapshot_archive import archive
 
 IMAGE = "localhost/prorl-swe-fake__tree-1.0:latest"
-GIT = {
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@t",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@t",
-    "GIT_CONFIG_GLOBAL": "/dev/null",
-    "GIT_CONFIG_NOSYSTEM": "1",
-}
 UNCHANGED = [f"pkg/mod{i}.py" for i in range(40)]
 
 
@@ -333,16 +326,7 @@ def test_the_unpacking_script_applies_changes_over_the_images_files(tmp_path: Pa
 # --- ForkJob of a SWE job: the loop lists the repository before its first turn ---------------
 
 
-@pytest.fixture
-def submission_file() -> Iterator[None]:
-    """The SWE handler writes its diff to a host path with the fake: removed after the test
-    unless it was there before."""
-    existed = os.path.lexists(SUBMISSION)
-    if existed and not os.access(SUBMISSION, os.W_OK):
-        pytest.skip(f"{SUBMISSION} belongs to someone else on this host")
-    yield
-    if not existed and os.path.lexists(SUBMISSION):
-        os.unlink(SUBMISSION)
+submission_file = families.submission_file  # the SWE handler's diff, a host path with the fake
 
 
 def calc_with_notes(workdir: Path) -> None:
@@ -351,7 +335,8 @@ def calc_with_notes(workdir: Path) -> None:
     (workdir / "repo" / "NOTES.txt").write_text("untracked in the image\n")
 
 
-async def test_a_forked_swe_job_restores_the_repository_from_its_changes(submission_file: None) -> None:
+@pytest.mark.usefixtures("submission_file")
+async def test_a_forked_swe_job_restores_the_repository_from_its_changes() -> None:
     provider = FakeSandboxProvider(
         images={SWE_IMAGE: calc_with_notes}, instance_id=instance_id("swefork"), fixed_workdir=True
     )
