@@ -44,7 +44,7 @@ from prorl_server.app import ProrlServer
 from prorl_server.config import load_settings
 from prorl_server.datasets.swe import TASKS_DIR, load_task
 from prorl_server.sandbox.podman.service import PodmanService
-from prorl_server.sandbox.snapshot import Root
+from prorl_server.sandbox.snapshot import Root, capture, record_base
 from prorl_server.testing.scripted_llm import (
     ScriptedLLMServer,
     ScriptedReply,
@@ -166,6 +166,27 @@ async def branches_vs_fresh(client: Client, build: Any, parent: str, k: int, n: 
 
 
 @contextlib.contextmanager
+def timed(seconds: dict[str, list[float]]) -> Iterator[None]:
+    """Each snapshot's and each starting listing's time, as the fork registry calls them."""
+
+    def wrap(name: str, call: Any) -> Any:
+        async def timed_call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return await call(*args, **kwargs)
+            finally:
+                seconds.setdefault(name, []).append(time.perf_counter() - started)
+
+        return timed_call
+
+    with (
+        mock.patch("prorl_server.jobs.forks.capture", wrap("capture", capture)),
+        mock.patch("prorl_server.jobs.forks.record_base", wrap("record_base", record_base)),
+    ):
+        yield
+
+
+@contextlib.contextmanager
 def whole_repository() -> Iterator[None]:
     """The SWE repository kept whole at each boundary, as before changed-files snapshots."""
     changes_only = SWEHandler.fork_roots
@@ -221,9 +242,11 @@ async def main(args: argparse.Namespace) -> int:
     for title, name, build, whole in tasks:
         if args.only and name != args.only:
             continue
-        with whole_repository() if whole else contextlib.nullcontext():
+        seconds: dict[str, list[float]] = {}
+        with whole_repository() if whole else contextlib.nullcontext(), timed(seconds):
             async with serving(args) as (_, client, forks_dir):
                 parents = await parent_runs(client, build, args.k, name, forks_dir)
+                kept = {key: list(values) for key, values in seconds.items()}  # the parent's alone
                 race = await branches_vs_fresh(client, build, parents["parent"], args.k, args.n, name)
         sizes = parents["snapshot_bytes"]
         print(f"\n## {title}")
@@ -232,6 +255,11 @@ async def main(args: argparse.Namespace) -> int:
             f"(+{(parents['forkable_s'] - parents['plain_s']) / (args.k + 1):.3f} s per turn boundary)"
         )
         print(f"snapshot bytes per turn: {sizes} (median {statistics.median(sizes) if sizes else 0:.0f})")
+        listing = ", ".join(f"{value:.2f}" for value in kept.get("record_base", [])) or "none"
+        print(
+            f"snapshot seconds per turn: {', '.join(f'{value:.2f}' for value in kept.get('capture', []))}; "
+            f"the listing at the job's start: {listing}"
+        )
         print(line(f"{args.n} branches after turn {args.k}, call to model turn {args.k + 1}", race["fork_s"]))
         print(
             line(
