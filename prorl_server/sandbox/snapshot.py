@@ -21,7 +21,8 @@ changes only. When the job starts, before its first turn (and in a fork, before 
 restore), `record_base` lists the root's entries with their inode, type, mode, size,
 mtime and ctime, in the sandbox's own scratch folder; a snapshot then carries the
 entries whose stat differs from that listing or that it lacks (changed, added,
-renamed: a change to a file always moves its ctime, which no program can set back)
+renamed: any change to an inode sets its ctime to the clock's time, and utime sets
+only atime and mtime)
 and names in a `.deleted` member the listed entries that are gone. The stat, not
 git, says what changed: git's view rests on the index, HEAD and exclude files the
 agent can change (a commit, a stash, `update-index --assume-unchanged`), and it
@@ -29,7 +30,7 @@ skips ignored files, which can matter (a compiled extension rebuilt in place).
 Restoring applies the changes to the fork's fresh sandbox, whose root is the image's
 again. Without a listing (the agent removed it) the snapshot falls back to the
 whole tree. Other roots (the runtime's workdir, the temporary directory) are
-carried whole: the runtime's reset and tmpfs make them small.
+carried whole: a fresh sandbox's hold next to nothing of the image's.
 
 What is not carried: processes (a server the agent started, a background job), the
 Python tool's names, the shell's non-exported variables, functions, aliases and
