@@ -14,8 +14,12 @@ turns). Per task (the math sandbox, and the Django SWE task in its SWE-bench tes
 
 Jobs are cancelled once they reach turn k+1 (what follows is the same either way).
 
+With --whole-too, the SWE task runs a second time in the same run with its repository kept
+whole at every boundary (the roots of the revisions before changed-files snapshots: the same
+server and scripts, the repository root not `pristine`), for before and after side by side.
+
 Usage: python bench/fork.py [--k K] [--n N] [--model-s S] [--state-dir DIR] [--only math|swe]
-       (make bench-fork)
+       [--whole-too] (make bench-fork)
 """
 
 from __future__ import annotations
@@ -28,15 +32,19 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from prorl_client import Client, v1
+from prorl_server.agents.swe import SWEHandler, SWEInstance
 from prorl_server.app import ProrlServer
 from prorl_server.config import load_settings
 from prorl_server.datasets.swe import TASKS_DIR, load_task
 from prorl_server.sandbox.podman.service import PodmanService
+from prorl_server.sandbox.snapshot import Root, capture, record_base
 from prorl_server.testing.scripted_llm import (
     ScriptedLLMServer,
     ScriptedReply,
@@ -45,7 +53,7 @@ from prorl_server.testing.scripted_llm import (
     user_prompt,
 )
 
-MATH_TURNS = [
+MATH_TURNS: list[tuple[str, dict[str, Any]]] = [
     ("bash", {"command": "mkdir -p work && head -c 200000 /dev/urandom | base64 > work/data.txt && wc -c work/*"}),
     (
         "python",
@@ -54,7 +62,7 @@ MATH_TURNS = [
     ("bash", {"command": "cd work && python3 -c 'import json; print(len(open(\"rows.json\").read()))' > sum.txt"}),
     ("bash", {"command": "cd work && sha256sum * > SUMS && cat SUMS"}),
 ]
-SWE_TURNS = [
+SWE_TURNS: list[tuple[str, dict[str, Any]]] = [
     ("bash", {"command": "cd /testbed && git status --short | head && grep -n 'def urlize' django/utils/html.py"}),
     (
         "bash",
@@ -157,6 +165,39 @@ async def branches_vs_fresh(client: Client, build: Any, parent: str, k: int, n: 
     }
 
 
+@contextlib.contextmanager
+def timed(seconds: dict[str, list[float]]) -> Iterator[None]:
+    """Each snapshot's and each starting listing's time, as the fork registry calls them."""
+
+    def wrap(name: str, call: Any) -> Any:
+        async def timed_call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return await call(*args, **kwargs)
+            finally:
+                seconds.setdefault(name, []).append(time.perf_counter() - started)
+
+        return timed_call
+
+    with (
+        mock.patch("prorl_server.jobs.forks.capture", wrap("capture", capture)),
+        mock.patch("prorl_server.jobs.forks.record_base", wrap("record_base", record_base)),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def whole_repository() -> Iterator[None]:
+    """The SWE repository kept whole at each boundary, as before changed-files snapshots."""
+    changes_only = SWEHandler.fork_roots
+
+    def whole(self: SWEHandler, instance: SWEInstance) -> Sequence[Root]:
+        return tuple(replace(root, pristine=False) for root in changes_only(self, instance))
+
+    with mock.patch.object(SWEHandler, "fork_roots", whole):
+        yield
+
+
 def line(label: str, values: list[float]) -> str:
     return f"{label}: p50 {statistics.median(values):.2f} s, max {max(values):.2f} s (n={len(values)})"
 
@@ -195,20 +236,30 @@ async def main(args: argparse.Namespace) -> int:
     print(
         f"# fork bench, {os.cpu_count()} cores: branch after turn k={args.k}, n={args.n}, model turn {args.model_s} s"
     )
-    tasks = {"math": math_request, "swe": swe_request}
-    for name, build in tasks.items():
+    tasks = [("math", "math", math_request, False), ("swe", "swe", swe_request, False)]
+    if args.whole_too:
+        tasks.append(("swe, repository kept whole (before)", "swe", swe_request, True))
+    for title, name, build, whole in tasks:
         if args.only and name != args.only:
             continue
-        async with serving(args) as (_, client, forks_dir):
-            parents = await parent_runs(client, build, args.k, name, forks_dir)
-            race = await branches_vs_fresh(client, build, parents["parent"], args.k, args.n, name)
+        seconds: dict[str, list[float]] = {}
+        with whole_repository() if whole else contextlib.nullcontext(), timed(seconds):
+            async with serving(args) as (_, client, forks_dir):
+                parents = await parent_runs(client, build, args.k, name, forks_dir)
+                kept = {key: list(values) for key, values in seconds.items()}  # the parent's alone
+                race = await branches_vs_fresh(client, build, parents["parent"], args.k, args.n, name)
         sizes = parents["snapshot_bytes"]
-        print(f"\n## {name}")
+        print(f"\n## {title}")
         print(
             f"run to model turn {args.k + 1}: forkable {parents['forkable_s']:.2f} s, plain {parents['plain_s']:.2f} s "
             f"(+{(parents['forkable_s'] - parents['plain_s']) / (args.k + 1):.3f} s per turn boundary)"
         )
         print(f"snapshot bytes per turn: {sizes} (median {statistics.median(sizes) if sizes else 0:.0f})")
+        listing = ", ".join(f"{value:.2f}" for value in kept.get("record_base", [])) or "none"
+        print(
+            f"snapshot seconds per turn: {', '.join(f'{value:.2f}' for value in kept.get('capture', []))}; "
+            f"the listing at the job's start: {listing}"
+        )
         print(line(f"{args.n} branches after turn {args.k}, call to model turn {args.k + 1}", race["fork_s"]))
         print(
             line(
@@ -228,4 +279,5 @@ if __name__ == "__main__":
     parser.add_argument("--state-dir", default=os.environ.get("PRORL_TEST_STATE_DIR", "/var/lib/prorl"))
     parser.add_argument("--cap", type=int, default=512 * 1024 * 1024, help="jobs.fork_snapshot_max_bytes")
     parser.add_argument("--only", choices=["math", "swe"])
+    parser.add_argument("--whole-too", action="store_true", help="the SWE task again, its repository kept whole")
     sys.exit(asyncio.run(main(parser.parse_args())))

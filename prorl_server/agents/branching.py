@@ -1,6 +1,8 @@
 """How a tool loop takes part in forking (ForkJob): the seam between agents/ and jobs/forks.py.
 
-A forkable job's loop tells `boundary(turn)` after each turn whose tool results it
+A forkable job's loop first calls `begin`, before anything runs in its sandbox (for a
+fork: before the restore), so that snapshots can carry what changed since then; it
+tells `boundary(turn)` after each turn whose tool results it
 has recorded (the jobs layer snapshots the sandbox and marks the trajectory there);
 a fork's loop starts with `resume`, which restores the parent's sandbox state into
 the fork's fresh sandbox, and then goes on at turn `resume_after + 1` with the
@@ -16,6 +18,10 @@ class Branching(Protocol):
     @property
     def resume_after(self) -> int | None:
         """For a fork: the parent's turn it branched after; None for a job that starts afresh."""
+        ...
+
+    async def begin(self, ctx: Any) -> None:
+        """Before the first turn (and a fork's `resume`): note the sandbox's starting state."""
         ...
 
     async def resume(self, ctx: Any) -> None:

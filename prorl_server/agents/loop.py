@@ -69,6 +69,8 @@ async def run_tool_loop(
     schemas = [tool.schema() for tool in tools]
     branching = ctx.branching
     first = 0
+    if branching is not None:  # the sandbox as it starts: what the snapshots are taken against
+        await branching.begin(ctx)
     if branching is not None and branching.resume_after is not None:  # a fork: the parent's turns are in
         await branching.resume(ctx)
         first = branching.resume_after + 1

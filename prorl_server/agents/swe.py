@@ -210,9 +210,13 @@ class SWEHandler(ToolLoopHandler[SWEInstance, SWERunOutcome]):
     tools = (BashTool(), EditorTool(), SubmitTool())
 
     def fork_roots(self, instance: SWEInstance) -> Sequence[Root]:
-        """The repository's working tree (its .git is the image's, at the same base commit) and
+        """The repository's working tree (its .git is the image's, at the same base commit), kept
+        as its changes since the job started (it is the image's, the same in every sandbox), and
         the temporary directory."""
-        return (Root("repo", instance.repo_dir, exclude=(".git",)), Root("tmp", exclude=RUNTIME_SCRATCH))
+        return (
+            Root("repo", instance.repo_dir, exclude=(".git",), pristine=True),
+            Root("tmp", exclude=RUNTIME_SCRATCH),
+        )
 
     def image_for(self, instance: SWEInstance) -> str | None:
         return instance.image

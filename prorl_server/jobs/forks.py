@@ -32,7 +32,7 @@ from prorl_server.agents.recorder import RecorderMark, TrajectoryRecorder
 from prorl_server.errors import FailedPrecondition, OutOfRange, ProrlError
 from prorl_server.llm.job_chat import JobChat
 from prorl_server.llm.token_conversation import ConversationMark
-from prorl_server.sandbox.snapshot import NOT_CARRIED, Root, SandboxState, capture, restore
+from prorl_server.sandbox.snapshot import NOT_CARRIED, Root, SandboxState, capture, record_base, restore
 
 log = structlog.get_logger(__name__)
 
@@ -62,6 +62,9 @@ class ForkSource:
     chat: JobChat
     boundaries: dict[int, Boundary] = field(default_factory=dict)
     running: bool = True
+    base: str | None = None
+    """Where the job's sandbox lists its pristine roots as they started (snapshot.record_base):
+    its snapshots carry their changes only. None: whole trees."""
 
 
 @dataclass(frozen=True)
@@ -156,12 +159,20 @@ class ForkRegistry:
         self._sources[job_id] = source
         return source
 
+    async def begin(self, source: ForkSource, sandbox: Any) -> None:
+        """Note what the job's sandbox starts from, before its first turn or a fork's restore.
+        Never fails the job: without it the snapshots carry the whole trees."""
+        try:
+            source.base = await record_base(sandbox, source.roots)
+        except ProrlError as exc:
+            log.info("fork_base_not_listed", reason=exc.message)
+
     async def record(self, source: ForkSource, turn: int, sandbox: Any) -> Boundary:
         """Keep the job's state after `turn`: never fails the job (a state that cannot be kept
         leaves the turn unforkable, with the reason)."""
         boundary = Boundary(turn, source.recorder.mark(turn), source.chat.mark())
         try:
-            state = await capture(sandbox, source.roots, max_bytes=self._max_snapshot)
+            state = await capture(sandbox, source.roots, max_bytes=self._max_snapshot, base=source.base)
             await self._make_room(len(state.archive))
             if self.stored_bytes + len(state.archive) > self._max_total:
                 raise FailedPrecondition(
@@ -287,6 +298,10 @@ class JobBranching:
     @property
     def resume_after(self) -> int | None:
         return self._start.boundary.turn if self._start is not None else None
+
+    async def begin(self, ctx: Any) -> None:
+        if any(root.pristine for root in self._source.roots):
+            await self._registry.begin(self._source, ctx.sandbox)
 
     async def resume(self, ctx: Any) -> None:
         assert self._start is not None

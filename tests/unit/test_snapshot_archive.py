@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from prorl_server.sandbox import snapshot
-from prorl_server.sandbox.snapshot import SnapshotRefused, check_archive
+from prorl_server.sandbox.snapshot import Root, SnapshotRefused, check_archive
 
 
 def archive(*members: tuple[str, bytes | str | None, bytes]) -> bytes:
@@ -39,6 +39,7 @@ def archive(*members: tuple[str, bytes | str | None, bytes]) -> bytes:
     return buffer.getvalue()
 
 
+ROOTS = (Root("work"), Root("tmp"))
 GOOD = archive(("work", "dir", b""), ("work/a.txt", b"", b"hello"), ("work/link", "sym:/etc/passwd", b""))
 HOSTILE = {
     "traversal": archive(("work/../../etc/cron.d/x", b"", b"pwn")),
@@ -48,22 +49,23 @@ HOSTILE = {
     "fifo": archive(("work/pipe", "fifo", b"")),
     "hard link out": archive(("work/h", "hard:/etc/shadow", b"")),
     "huge": archive(("work/big", b"", b"x" * 5000)),
+    "beneath a link": archive(("work/l", "sym:/etc", b""), ("work/l/cron.d", "dir", b""), ("work/l/x", b"", b"pwn")),
 }
 
 
 def test_an_ordinary_snapshot_passes_and_a_link_stays_a_link() -> None:
-    check_archive(GOOD, ["work", "tmp"], max_bytes=4096)
+    check_archive(GOOD, ROOTS, max_bytes=4096)
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_the_host_refuses_a_hostile_archive(case: str) -> None:
     with pytest.raises(SnapshotRefused):
-        check_archive(HOSTILE[case], ["work", "tmp"], max_bytes=4096)
+        check_archive(HOSTILE[case], ROOTS, max_bytes=4096)
 
 
 def test_the_host_refuses_what_is_not_an_archive() -> None:
     with pytest.raises(SnapshotRefused, match="not a readable archive"):
-        check_archive(b"\x00garbage" * 100, ["work"], max_bytes=4096)
+        check_archive(b"\x00garbage" * 100, ROOTS, max_bytes=4096)
 
 
 def restore_in(folder: Path, data: bytes) -> subprocess.CompletedProcess[str]:
@@ -77,7 +79,9 @@ def restore_in(folder: Path, data: bytes) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("case", ["traversal", "absolute", "unknown root", "device", "fifo", "hard link out"])
+@pytest.mark.parametrize(
+    "case", ["traversal", "absolute", "unknown root", "device", "fifo", "hard link out", "beneath a link"]
+)
 def test_the_unpacking_script_refuses_a_hostile_archive_too(tmp_path: Path, case: str) -> None:
     (tmp_path / "outside.txt").write_text("untouched")
     result = restore_in(tmp_path, HOSTILE[case])
