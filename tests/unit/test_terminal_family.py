@@ -15,6 +15,7 @@ import io
 import os
 import shutil
 import tarfile
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -79,14 +80,14 @@ def image_setup(task_id: str) -> Any:
 
 
 @pytest.fixture
-def state_file() -> Iterator[None]:
-    """The handler archives the working directory at /tmp/prorl-state.tar, a host path here."""
-    path = terminal.STATE_PATH
-    existed = os.path.lexists(path)
-    if existed and not os.access(path, os.W_OK):
-        pytest.skip(f"{path} belongs to someone else on this host")
+def state_file(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The handler archives the working directory at /tmp/prorl-state.tar, which in a fake
+    sandbox is a host path that other test runs on this host would share: each test gets a name
+    of its own there."""
+    path = f"/tmp/prorl-state-{os.getpid()}-{uuid.uuid4().hex[:8]}.tar"
+    monkeypatch.setattr(terminal, "STATE_PATH", path)
     yield
-    if not existed and os.path.lexists(path):
+    if os.path.lexists(path):
         os.unlink(path)
 
 
