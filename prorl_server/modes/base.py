@@ -29,9 +29,12 @@ from dataclasses import dataclass
 
 from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.api.admin_servicer import ClusterView
+from prorl_server.config import Settings
+from prorl_server.jobs.event_writer import FLUSH_INTERVAL_S
 from prorl_server.jobs.forks import ForkRegistry
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.pipeline import Pipeline
+from prorl_server.jobs.record import JobRecord
 from prorl_server.jobs.service import JobService
 from prorl_server.jobs.store import JobStore
 from prorl_server.llm.administration import Administration
@@ -52,6 +55,29 @@ class JobParts:
     forks: ForkRegistry
     on_stored: Callable[[], None]
     """Called after each write that added events to the store (the event feed's nudge)."""
+
+    def job_manager(
+        self,
+        settings: Settings,
+        store: JobStore | None,
+        *,
+        persist_retry_s: float = 0.0,
+        handover: Callable[[JobRecord], None] | None = None,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
+    ) -> JobManager:
+        """The job manager on these parts, with a mode's store and options (see JobManager)."""
+        return JobManager(
+            settings=settings,
+            registry=self.registry,
+            pipeline=self.pipeline,
+            metrics=self.metrics,
+            store=store,
+            persist_retry_s=persist_retry_s,
+            handover=handover,
+            flush_interval_s=flush_interval_s,
+            on_stored=self.on_stored,
+            forks=self.forks,
+        )
 
 
 @dataclass(frozen=True)

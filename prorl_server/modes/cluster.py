@@ -52,17 +52,12 @@ class ClusterMode(ServerMode):
     def services(self, parts: JobParts) -> Services:
         settings = self._settings
         cluster = settings.cluster
-        self._manager = manager = JobManager(
-            settings=settings,
-            registry=parts.registry,
-            pipeline=parts.pipeline,
-            metrics=parts.metrics,
-            store=self._store,
+        self._manager = manager = parts.job_manager(
+            settings,
+            self._store,
             persist_retry_s=cluster.lease_ttl_s,
             handover=self._hand_back,
             flush_interval_s=FLUSH_INTERVAL_S,
-            on_stored=parts.on_stored,
-            forks=parts.forks,
         )
         self._admin = admin = ClusterAdministration(
             self._store,

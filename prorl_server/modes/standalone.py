@@ -33,15 +33,7 @@ class StandaloneMode(ServerMode):
 
     def services(self, parts: JobParts) -> Services:
         settings = self._settings
-        self._manager = manager = JobManager(
-            settings=settings,
-            registry=parts.registry,
-            pipeline=parts.pipeline,
-            metrics=parts.metrics,
-            store=self.store,
-            on_stored=parts.on_stored,
-            forks=parts.forks,
-        )
+        self._manager = manager = parts.job_manager(settings, self.store)
         administration = LocalAdministration(
             parts.router, request_timeout_s=settings.llm.request_timeout_s, max_retries=settings.llm.max_retries
         )
