@@ -1,9 +1,11 @@
 """Wiring: builds every component from the settings, starts and stops them in order.
 
+What differs between a server on its own and one of a cluster is the mode's
+(modes/): its job store, job manager, services and background tasks.
 Start: job store (and, with PostgreSQL, the cluster's notifications) -> Podman
 API -> sandbox provider (reaps leftovers) -> LLM backends (embedded model if
-none) -> job manager -> gRPC server (+ health, reflection) -> the cluster's
-coordinator (claims jobs).
+none) -> job manager -> gRPC server (+ health, reflection) -> the mode's
+background tasks (a cluster's coordinator: claims jobs).
 Stop (idempotent): health NOT_SERVING -> stop claiming and admitting -> let
 jobs finish within the grace period, cancel the rest (in a cluster: hand them
 to a peer) -> stop the gRPC server -> remove this server's containers -> stop
@@ -26,31 +28,22 @@ from prorl_server.api.admin_servicer import AdminServicer
 from prorl_server.api.auth import BearerTokenInterceptor
 from prorl_server.api.errors import ErrorInterceptor
 from prorl_server.api.rollout_servicer import RolloutServicer
-from prorl_server.cluster import membership
-from prorl_server.cluster.admin import ClusterAdministration
-from prorl_server.cluster.coordinator import ClusterCoordinator
-from prorl_server.cluster.jobs import ClusterJobs
-from prorl_server.cluster.notifications import Notifications
-from prorl_server.cluster.store import ClusterStore
 from prorl_server.config import ConfigError, Settings
 from prorl_server.gateway.aiohttp_adapter import GatewayServer
 from prorl_server.gateway.directory import GatewayDirectory
-from prorl_server.jobs.event_writer import FLUSH_INTERVAL_S
 from prorl_server.jobs.feed import Feed
 from prorl_server.jobs.forks import ForkRegistry
 from prorl_server.jobs.manager import JobManager
 from prorl_server.jobs.phases import PhaseGate, phase_gates
 from prorl_server.jobs.pipeline import Pipeline
-from prorl_server.jobs.record import JobRecord
-from prorl_server.jobs.service import JobService, LocalJobs
-from prorl_server.jobs.store import JobStore, JobStoreError
-from prorl_server.jobs.store_factory import open_store
-from prorl_server.llm.administration import Administration, LocalAdministration
+from prorl_server.jobs.service import JobService
 from prorl_server.llm.base import BackendInfo, LLMBackend
 from prorl_server.llm.factory import build_backend
 from prorl_server.llm.llama_cpp_backend import EMBEDDED_MODEL_NAME, LlamaCppBackend
 from prorl_server.llm.router import BackendRouter
 from prorl_server.metrics import Metrics
+from prorl_server.modes.base import JobParts, ServerHooks, Services
+from prorl_server.modes.factory import build_mode
 from prorl_server.sandbox.allocator import ReusePolicy, SandboxAllocator
 from prorl_server.sandbox.base import LABEL_POOL, SandboxProvider, SandboxSpec
 from prorl_server.sandbox.none import NoSandboxes
@@ -64,7 +57,6 @@ log = structlog.get_logger(__name__)
 
 SERVICE_NAMES = ("prorl.v1.RolloutService", "prorl.v1.AdminService")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CLUSTER_FLUSH_INTERVAL_S = 0.05
 
 
 class ProrlServer:
@@ -82,6 +74,7 @@ class ProrlServer:
         embedding the server, e.g. in the fast tests with in-process fakes; `judge_backends` are
         served beside the configured judge backends (settings `judge.*`)."""
         self.settings = settings
+        self._mode = build_mode(settings)
         self._registry = registry or default_registry()
         self._podman: PodmanService | None = None
         self._provider: SandboxProvider | None = sandbox_provider
@@ -108,10 +101,7 @@ class ProrlServer:
         self._health: health.aio.HealthServicer | None = None
         self.manager: JobManager | None = None
         self.metrics = Metrics()
-        self._store: JobStore | None = None
-        self._feed: Feed | None = None
-        self._notifications: Notifications | None = None
-        self._coordinator: ClusterCoordinator | None = None
+        self._feed = Feed(self._mode.store, settings.subscribe)
         self.jobs: JobService | None = None
         self._forks: ForkRegistry | None = None
         self.port = 0
@@ -138,17 +128,9 @@ class ProrlServer:
         settings = self.settings
         # jobs.store: SQLite, PostgreSQL or none; first, so that a store that cannot be
         # used stops the start before any sandbox or model is started.
-        self._store = await open_store(settings)
-        cluster = isinstance(self._store, ClusterStore)
-        if isinstance(self._store, ClusterStore):
-            self._notifications = Notifications(self._store.url)
-            try:
-                await self._notifications.start()
-            except Exception as exc:
-                raise JobStoreError(f"job store {self._store!r}: cannot listen for notifications: {exc}") from None
+        await self._mode.open()
         if self._provider is None:
-            front = cluster and not settings.cluster.run_jobs
-            self._provider = NoSandboxes() if front else await self._podman_provider()
+            self._provider = await self._podman_provider() if self._mode.runs_jobs else NoSandboxes()
         await self._provider.start()
         reuse = self.settings.sandbox.reuse
         policy = ReusePolicy(
@@ -195,29 +177,27 @@ class ProrlServer:
                 pool_name="llm.backends" if settings.judge.use_policy_backends else "judge.backends",
             ),
         )
-        self._feed = Feed(self._store, settings.subscribe)
-        self.manager = JobManager(
-            settings=settings,
-            registry=self._registry,
-            pipeline=pipeline,
-            metrics=self.metrics,
-            store=self._store,
-            persist_retry_s=settings.cluster.lease_ttl_s if cluster else 0.0,
-            handover=self._hand_back if cluster else None,
-            # A cluster's watchers see an event once it is stored: write them sooner.
-            flush_interval_s=CLUSTER_FLUSH_INTERVAL_S if cluster else FLUSH_INTERVAL_S,
-            on_stored=self._feed.nudge,
-            forks=forks,
+        services = self._mode.services(
+            JobParts(
+                registry=self._registry,
+                pipeline=pipeline,
+                metrics=self.metrics,
+                router=self._router,
+                forks=forks,
+                on_stored=self._feed.nudge,
+            )
         )
+        self.manager, self.jobs = services.manager, services.jobs
         await self.manager.restore()
         await self._feed.start()
         if settings.server.metrics_port is not None:
             self.metrics.watch(self.stats)
             tokens = settings.server.accepted_tokens() if settings.server.metrics_require_token else []
             await self.metrics.serve(settings.server.host, settings.server.metrics_port, tokens=tokens)
-        await self._start_grpc()
-        if self._coordinator is not None:
-            await self._coordinator.start()
+        await self._start_grpc(services)
+        await self._mode.start(
+            ServerHooks(stats=self.stats, address=lambda: self.address, set_serving=self._set_serving)
+        )
         log.info("server_started", address=self.address, instance=settings.server.instance_id)
 
     async def _podman_provider(self) -> PodmanProvider:
@@ -331,47 +311,6 @@ class ProrlServer:
         await backend.start()
         return backend
 
-    def _hand_back(self, job: JobRecord) -> None:
-        if self._coordinator is not None:
-            self._coordinator.hand_back(job)
-
-    def _services(self) -> tuple[JobService, Administration]:
-        """This server's jobs and backend administration; a cluster's when the store is shared."""
-        assert self.manager is not None
-        settings = self.settings
-        store, notifications = self._store, self._notifications
-        if not isinstance(store, ClusterStore) or notifications is None:
-            local = LocalAdministration(
-                self._router, request_timeout_s=settings.llm.request_timeout_s, max_retries=settings.llm.max_retries
-            )
-            return LocalJobs(self.manager), local
-        admin = ClusterAdministration(
-            store,
-            self._router,
-            request_timeout_s=settings.llm.request_timeout_s,
-            max_retries=settings.llm.max_retries,
-            live_within_s=settings.cluster.lease_ttl_s,
-        )
-        self._coordinator = ClusterCoordinator(
-            settings=settings,
-            store=store,
-            notifications=notifications,
-            manager=self.manager,
-            admin=admin,
-            stats=self.stats,
-            address=lambda: self.address,
-            set_serving=self._set_serving,
-        )
-        jobs = ClusterJobs(
-            settings=settings, registry=self._registry, manager=self.manager, store=store, notifications=notifications
-        )
-        return jobs, admin
-
-    async def _cluster_view(self) -> tuple[list[v1.ServerSummary], dict[int, int]]:
-        assert isinstance(self._store, ClusterStore)
-        servers = await membership.servers(self._store, self.settings.cluster.lease_ttl_s)
-        return servers, await self._store.count_by_status()
-
     async def _set_serving(self, serving: bool) -> None:
         """Health of every service: NOT_SERVING while the cluster's store cannot be reached."""
         if self._health is None or self._stopped:
@@ -380,9 +319,7 @@ class ProrlServer:
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, status)
 
-    async def _start_grpc(self) -> None:
-        assert self.manager is not None
-        self.jobs, administration = self._services()
+    async def _start_grpc(self, services: Services) -> None:
         interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
         tokens = self.settings.server.accepted_tokens()
         if tokens:
@@ -394,16 +331,14 @@ class ProrlServer:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ],
         )
-        assert self._feed is not None
-        v1.add_RolloutServiceServicer_to_server(RolloutServicer(self.jobs, self._feed), server)
-        cluster = isinstance(self._store, ClusterStore)
+        v1.add_RolloutServiceServicer_to_server(RolloutServicer(services.jobs, self._feed), server)
         v1.add_AdminServiceServicer_to_server(
             AdminServicer(
                 self._router,
-                administration,
+                services.administration,
                 self.stats,
                 server_id=self.settings.server.instance_id,
-                cluster_view=self._cluster_view if cluster else None,
+                cluster_view=services.cluster_view,
                 judge_router=self._judge_router if self._judge_router is not self._router else None,
             ),
             server,
@@ -450,23 +385,14 @@ class ProrlServer:
         grace = self.settings.server.shutdown_grace_s
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
-        if self._coordinator is not None:
-            await self._coordinator.stop_claiming()
-        if self.manager is not None:
-            await self.manager.shutdown(grace)
-        if self._coordinator is not None:
-            await self._coordinator.stop()
+        await self._mode.shutdown(grace)
         if self._server is not None:
             await self._server.stop(grace=1.0)
         await self.metrics.close()
         if self._gateway_server is not None:
             await self._gateway_server.close()
-        if self._notifications is not None:
-            await self._notifications.close()
-        if self._feed is not None:
-            await self._feed.close()
-        if self._store is not None:
-            await self._store.close()
+        await self._feed.close()
+        await self._mode.close()
         if self._sandboxes is not None:
             await self._sandboxes.close()
         if self._forks is not None:  # the state for forks dies with the server's memory: its files too

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import TypeVar
 
@@ -27,10 +26,11 @@ from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.cluster.notifications import Notifications
 from prorl_server.cluster.store import UNREACHABLE, ClusterStore
 from prorl_server.config import Settings
-from prorl_server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from prorl_server.errors import FailedPrecondition, InvalidArgument, Unavailable
 from prorl_server.jobs.manager import CANCEL_WAIT_S, JobManager
 from prorl_server.jobs.record import JobView
-from prorl_server.jobs.validation import check_cancel_reason, check_job_id, check_page, resolve_plan, unknown_job
+from prorl_server.jobs.submission import Submission
+from prorl_server.jobs.validation import check_cancel_reason, check_page, resolve_plan, unknown_job
 
 T = TypeVar("T")
 
@@ -54,24 +54,15 @@ class ClusterJobs:
 
     async def submit(self, request: v1.RolloutRequest) -> tuple[JobView, bool]:
         self._manager.check_accepting()
-        if request.job_id:
-            check_job_id(request.job_id)
-        else:
-            copy = v1.RolloutRequest()
-            copy.CopyFrom(request)
-            copy.job_id = uuid.uuid4().hex
-            request = copy
-        fingerprint = request.SerializeToString(deterministic=True)
+        submission = Submission.of(request)
+        request = submission.request
         resolve_plan(request, self._settings, self._registry)  # refused here, not on the server that claims it
         row, created = await self._reach(
             "accept the job",
-            self._store.insert(request, fingerprint, time.time(), self._settings.jobs.max_queued),
+            self._store.insert(request, submission.fingerprint, time.time(), self._settings.jobs.max_queued),
         )
-        if not created and row.fingerprint != fingerprint:
-            raise AlreadyExists(
-                f"job id {request.job_id!r} is already used by a different request; "
-                "choose a new job id or resend the identical request"
-            )
+        if not created:
+            submission.check_same(row.fingerprint)
         return row, created
 
     async def get(self, job_id: str) -> JobView:

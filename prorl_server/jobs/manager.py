@@ -15,7 +15,6 @@ import asyncio
 import collections
 import itertools
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +25,6 @@ from prorl_client import v1
 from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.config import Settings
 from prorl_server.errors import (
-    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     ProrlError,
@@ -39,8 +37,9 @@ from prorl_server.jobs.forks import ForkRegistry, ForkStart
 from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.record import JobRecord
 from prorl_server.jobs.store import JobNotHeld, JobStore, StoredJob
+from prorl_server.jobs.submission import Submission
 from prorl_server.jobs.uninterruptible import uninterruptible
-from prorl_server.jobs.validation import check_cancel_reason, check_job_id, check_page, resolve_plan, unknown_job
+from prorl_server.jobs.validation import check_cancel_reason, check_page, resolve_plan, unknown_job
 from prorl_server.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -94,23 +93,12 @@ class JobManager:
         """Queue a job; returns (job, created). Idempotent on job_id. `fork`: the job is a
         branch (ForkJob), which starts from that point of its parent."""
         self.check_accepting()
-        extra = fork.fingerprint() if fork is not None else b""
-        if request.job_id:
-            check_job_id(request.job_id)
-            fingerprint = request.SerializeToString(deterministic=True) + extra
-            existing = self._jobs.get(request.job_id)
-            if existing is not None:
-                if existing.fingerprint != fingerprint:
-                    raise AlreadyExists(
-                        f"job id {request.job_id!r} is already used by a different request; "
-                        "choose a new job id or resend the identical request"
-                    )
-                return existing, False
-            job_id = request.job_id
-        else:
-            job_id = uuid.uuid4().hex
-            request = _with_job_id(request, job_id)
-            fingerprint = request.SerializeToString(deterministic=True) + extra
+        submission = Submission.of(request, extra=fork.fingerprint() if fork is not None else b"")
+        existing = self._jobs.get(submission.job_id)
+        if existing is not None:
+            submission.check_same(existing.fingerprint)
+            return existing, False
+        request, job_id, fingerprint = submission.request, submission.job_id, submission.fingerprint
         plan = resolve_plan(request, self._settings, self._registry)
         live = len(self._jobs) - len(self._finished)
         if live >= self._settings.jobs.max_queued:
@@ -177,13 +165,10 @@ class JobManager:
         if not child.job_id:
             resolve_plan(child, self._settings, self._registry)
             return
-        check_job_id(child.job_id)
+        submission = Submission.of(child, extra=start.fingerprint())
         existing = self._jobs.get(child.job_id)
-        fingerprint = child.SerializeToString(deterministic=True) + start.fingerprint()
-        if existing is not None and existing.fingerprint != fingerprint:
-            raise AlreadyExists(
-                f"job id {child.job_id!r} is already used by a different request; choose a new job id for the branch"
-            )
+        if existing is not None:
+            submission.check_same(existing.fingerprint, hint="choose a new job id for the branch")
         resolve_plan(child, self._settings, self._registry)
 
     def check_accepting(self) -> None:
@@ -494,13 +479,6 @@ class JobManager:
             await asyncio.gather(*tasks, return_exceptions=True)
         if self._writer is not None:
             await self._writer.close()
-
-
-def _with_job_id(request: v1.RolloutRequest, job_id: str) -> v1.RolloutRequest:
-    copy = v1.RolloutRequest()
-    copy.CopyFrom(request)
-    copy.job_id = job_id
-    return copy
 
 
 def _contiguous(job_id: str, events: list[v1.RolloutEvent]) -> list[v1.RolloutEvent]:

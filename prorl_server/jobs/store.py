@@ -17,7 +17,7 @@ is left out of the copy: a consumer of the feed is not the job's owner.
 Entries older than `subscribe.retain_s` are trimmed; the store remembers the
 last position trimmed, so that a cursor behind it is known to have lost events.
 
-Two implementations, chosen by the setting `jobs.store` (see store_factory.py):
+Two implementations, chosen by the setting `jobs.store` (see prorl_server/modes/):
 SQLite, embedded, one file per server (sqlite_store.py), and PostgreSQL
 (postgres_store.py). Every method is async and never blocks the event loop.
 """

@@ -130,7 +130,7 @@ class Member:
         return self.client
 
     def claimed(self) -> int:
-        coordinator = self.server._coordinator
+        coordinator = self.server._mode.coordinator
         assert coordinator is not None
         return coordinator.claimed
 
@@ -518,7 +518,7 @@ async def test_a_server_cut_off_from_the_store_stops_its_job_before_another_take
     await b.rpc.submit(request)
     await held_on([b])
     a = await cluster("a")
-    store = b.server._store
+    store = b.server._mode.store
     assert store is not None
 
     async def unreachable(*_args: object, **_kwargs: object) -> None:

@@ -124,8 +124,8 @@ class Node:
 
     @property
     def store(self) -> SQLiteJobStore:
-        assert self.server is not None and isinstance(self.server._store, SQLiteJobStore)
-        return self.server._store
+        assert self.server is not None and isinstance(self.server._mode.store, SQLiteJobStore)
+        return self.server._mode.store
 
     async def submit(
         self,

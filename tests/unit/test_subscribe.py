@@ -278,7 +278,7 @@ async def test_a_cursor_behind_retention_is_out_of_range(served: Served) -> None
     start = stored[0]  # the start mark, before the oldest event
     assert not start.HasField("event")
     assert served.server is not None
-    store = served.server._store
+    store = served.server._mode.store
     assert isinstance(store, SQLiteJobStore)
     await asyncio.sleep(0.05)
     assert await store.feed_trim(0.01) > 0

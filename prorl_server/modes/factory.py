@@ -1,11 +1,12 @@
-"""The job store the settings ask for (`jobs.store`, `jobs.store_path`)."""
+"""The mode the settings ask for: `jobs.store` a postgresql:// URL makes a cluster's server."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prorl_server.config import ConfigError, Settings, mask_url
 from prorl_server.jobs.store import JobStore
+from prorl_server.modes.base import ServerMode
+from prorl_server.modes.cluster import ClusterMode
+from prorl_server.modes.standalone import StandaloneMode
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
@@ -14,24 +15,21 @@ def is_postgres_url(value: str) -> bool:
     return value.lower().startswith(POSTGRES_SCHEMES)
 
 
-def build_store(settings: Settings) -> JobStore | None:
-    """The store, not opened yet; None when `jobs.store` is false."""
+def build_mode(settings: Settings) -> ServerMode:
+    """The mode, its store built but not opened (nothing is started here)."""
     value = settings.jobs.store
-    if value is False:
-        return None
-    if value is True:
-        from prorl_server.jobs.sqlite_store import SQLiteJobStore
-
-        path = settings.jobs.store_path or str(
-            Path(settings.sandbox.state_dir) / "jobs" / f"{settings.server.instance_id}.sqlite"
-        )
-        return SQLiteJobStore(path)
+    if isinstance(value, bool):
+        return StandaloneMode(settings)
     if isinstance(value, str) and is_postgres_url(value):
-        from prorl_server.cluster.store import ClusterStore
-
-        return ClusterStore(value, server_id=settings.server.instance_id)
+        return ClusterMode(settings, value)
     shown = mask_url(value) if isinstance(value, str) else repr(value)
     raise ConfigError(f"setting 'jobs.store': expected true, false or a postgresql:// URL, got {shown}")
+
+
+def build_store(settings: Settings) -> JobStore | None:
+    """The store the settings ask for (`jobs.store`, `jobs.store_path`), not opened; None when
+    `jobs.store` is false."""
+    return build_mode(settings).store
 
 
 async def open_store(settings: Settings) -> JobStore | None:
