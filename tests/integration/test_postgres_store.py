@@ -28,8 +28,8 @@ from prorl_server.jobs.postgres_store import MIGRATIONS, Migration, PostgresJobS
 from prorl_server.jobs.sqlite_store import SQLiteJobStore
 from prorl_server.jobs.store import JobStore, JobStoreError
 from prorl_server.jobs.store import SQLiteJobStore as SQLiteJobStoreOldPath
-from prorl_server.modes.factory import build_store, open_store
 from prorl_server.llm.router import BackendRouter
+from prorl_server.modes.factory import build_store, open_store
 from prorl_server.sandbox.allocator import SandboxAllocator
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
