@@ -193,7 +193,9 @@ async def test_32_jobs_across_5_updates_keep_every_token_on_its_version(
     assert all(r.status == v1.JOB_STATUS_SUCCEEDED for r in results), [r.failure for r in results if r.status != 3]
     assert all(n > 0 for n in running_at_update), f"jobs still running at each update: {running_at_update}"
     versions = {span.policy_version for r in results for span in r.trajectory.turn_spans}
-    assert len(versions) >= 3, f"the updates landed between too few turns: versions {versions}"
+    # At least one update landed between two turns (at a small scale, 8x2, the last update may
+    # come after every remaining turn was already being sampled: those finish under the old version).
+    assert len(versions) >= min(3, UPDATES), f"the updates landed between too few turns: versions {versions}"
     assert not any(span.resampled for r in results for span in r.trajectory.turn_spans)  # nothing was aborted
     turns, wrong, deltas = await asyncio.to_thread(version_check, results, checkpoints)
     tokens = sum(span.end - span.start for r in results for span in r.trajectory.turn_spans)
