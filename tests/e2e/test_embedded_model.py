@@ -120,9 +120,12 @@ async def test_six_jobs_on_the_one_cpu_model_share_it_and_no_budget_pays_for_the
         if result.failure.reason == "budget_exceeded":  # only where its own time (init, tools, model) used it up
             assert own_seconds(result) >= budget_s - 0.05, (own_seconds(result), result.failure)
             assert result.timing.model_wait.ToNanoseconds() == 0 or "waiting for a model slot" in result.failure.message
-    # The jobs waited for the model (their own bar, not the budget's): enough that a budget
-    # counting the wait would have ended at least one of them.
-    assert any(own_seconds(r) + r.timing.model_wait.ToNanoseconds() / 1e9 > budget_s for r in results.values())
+    # The jobs waited for the model (their own bar, not the budget's): six jobs on one slot, so one
+    # at least waited longer than all its own time. (Not "longer than the budget": that depends on
+    # how the machine's load changed since the job run alone set it, and failed at load 15-30.)
+    assert any(r.timing.model_wait.ToNanoseconds() / 1e9 > own_seconds(r) for r in results.values()), [
+        (own_seconds(r), r.timing.model_wait.ToNanoseconds() / 1e9) for r in results.values()
+    ]
     assert all(turn.model_wait.ToNanoseconds() >= 0 for _, turn in turns)
     # Interleaved: jobs with several turns do not have them back to back in the model's order.
     order = [job for job, _ in turns]
