@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import tempfile
 from collections.abc import Iterator
 from types import ModuleType
@@ -28,6 +29,7 @@ def session(runtime: ModuleType) -> Iterator[Any]:
         bash = runtime.BashSession(workdir)
         yield bash
         bash.close()
+        shutil.rmtree(bash.scratch, ignore_errors=True)  # the runtime's is its sandbox's /tmp
 
 
 def test_a_sentinel_that_arrives_after_its_wait_gave_up_is_not_the_next_commands_output(session: Any) -> None:
