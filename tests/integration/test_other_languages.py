@@ -333,8 +333,8 @@ async def test_go_feed_consumer_resumes_after_falling_behind_or_losing_its_serve
         assert_exactly([consumer], every, rewards)
 
         # behind retention: a clear message and status 3; the cursor file is left as it was
-        assert isinstance(again._store, SQLiteJobStore)
-        assert await again._store.feed_trim(1.0) > 0  # every event: the consumer stopped after 4 s idle
+        assert isinstance(again._mode.store, SQLiteJobStore)
+        assert await again._mode.store.feed_trim(1.0) > 0  # every event: the consumer stopped after 4 s idle
         old = tmp_path / "old.cursor"
         old.write_text(consumer.lines[0]["cursor"] + "\n")
         late = await start(again.address, old)
