@@ -15,7 +15,7 @@ export PRORL_VLLM_VENV := $(VLLM_VENV)
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup setup-demo setup-host setup-python images images-harnesses test-harnesses proto proto-check lint lint-proto test test-loaded test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-vllm bench-load bench-cluster bench-feed bench-verification bench-throughput bench-fork
+.PHONY: setup setup-demo setup-host setup-python images images-harnesses test-harnesses proto proto-check lint lint-proto test test-loaded test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-vllm bench-load bench-cluster bench-feed bench-verification bench-throughput bench-fork bench-live
 
 setup: setup-host setup-python images
 
@@ -101,11 +101,15 @@ test-all: setup setup-vllm proto-check lint test-without-podman
 	PYTEST="$(PYTEST)" bash scripts/slow_suites.sh
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
-bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification bench-throughput bench-fork
+bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification bench-throughput bench-fork bench-live
 
 bench-sandbox: setup
 	$(PIP) install --quiet -e '.[bench]'
 	$(PYTHON) bench/sandbox.py
+
+# 100, 300 and 1,000 sandboxes alive at once: command latency, CPU per command, memory, what stops it.
+bench-live: setup
+	$(PYTHON) bench/live_sandboxes.py
 
 bench-llm: setup
 	$(PYTHON) bench/llm.py

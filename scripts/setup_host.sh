@@ -68,8 +68,9 @@ install -d -m 0755 -o "$SANDBOX_USER" -g "$SANDBOX_USER" "${home}/.config" "$con
 cat > "${conf_dir}/containers.conf" <<CONF
 # Written by prorl scripts/setup_host.sh.
 [containers]
-# The host's hard nofile limit is below Podman's default of 1048576.
-default_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]
+# The host's hard nofile limit is below Podman's default of 1048576. nproc counts the
+# processes of all sandboxes together (they share one host uid): 1,000 idle ones are 3,000.
+default_ulimits = ["nofile=1024:1024", "nproc=16384:16384"]
 # No systemd user session here: no journald, no systemd cgroup manager.
 log_driver = "k8s-file"
 # runc gives every container a kernel session keyring under the sandbox user's uid;

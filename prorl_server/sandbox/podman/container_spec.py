@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from prorl_server.sandbox.base import SandboxSpec
+from prorl_server.sandbox.podman.host_limits import USER_NPROC_CEILING
 from prorl_server.sandbox.podman.options import PodmanOptions
 from prorl_server.sandbox.podman.staging import SOCKET_NAME, RuntimeStaging
 from prorl_server.sandbox.runtime import RUNTIME_FILE
@@ -35,9 +36,6 @@ NOT_RESET = frozenset({SOCKET_MOUNT, RUNTIME_MOUNT, IMAGE_MOUNT})
 """Mounts a reset leaves alone: the socket folder is checked on the host, the others are read-only."""
 WORLD_WRITABLE = frozenset({"/tmp", "/var/tmp"})
 """Writable paths owned by root with mode 1777; the others belong to the container user."""
-# The sandbox user's process ceiling (containers.conf default_ulimits; the
-# rootless user cannot raise its hard limit beyond it).
-USER_NPROC_CEILING = 4096
 # Exit code of a shell that could not find the command (no python3 in the image).
 COMMAND_NOT_FOUND = 127
 RUNTIME_MARKER = f"{RUNTIME_FILE.name} serve"

@@ -45,6 +45,7 @@ from prorl_server.sandbox.podman.container_spec import (
     writable_paths,
 )
 from prorl_server.sandbox.podman.exec_runtime import Confinement, ExecRuntime
+from prorl_server.sandbox.podman.host_limits import check_host_limits
 from prorl_server.sandbox.podman.options import PodmanOptions
 from prorl_server.sandbox.podman.staging import SOCKET_NAME, RuntimeStaging
 from prorl_server.sandbox.runtime.abstract import SandboxRuntime
@@ -95,6 +96,7 @@ class PodmanProvider(SandboxProvider):
         url = self._url_factory()
         self._client = PodmanClient(base_url=url, timeout=120)
         await self.call(self._staging.stage)
+        await asyncio.to_thread(check_host_limits, self._options.sandbox_user, self._options.max_sandboxes)
         if self._options.cgroup_limits and CgroupV1Limiter.usable():
             self._limiter = CgroupV1Limiter(f"prorl-{self._options.instance_id}")
         try:
