@@ -34,6 +34,7 @@ from typing import Literal, Protocol
 
 from prorl_server.errors import SandboxBroken, SandboxLimitExceeded
 from prorl_server.sandbox.handle import ContainerHandle
+from prorl_server.sandbox.procfs import pids_since
 
 PROC = Path("/proc")
 # task flag set from the start of a process's exit (include/linux/sched.h)
@@ -104,13 +105,11 @@ class HostView:
         init = process_ref(init_pid) if init_pid > 0 else None
         if init is None or marker not in _cmdline(init_pid):
             return None
-        # Pids are handed out in order: the runtime is nearly always init's next one.
-        candidates = [str(init_pid + step) for step in range(1, 9)]
-        candidates += sorted(entry for entry in os.listdir(PROC) if entry.isdigit())
-        for entry in candidates:
-            fields = _stat(int(entry))
-            if fields and int(fields[1]) == init_pid and marker in _cmdline(int(entry)):
-                runtime = process_ref(int(entry))
+        # Pids are handed out in order: the runtime, forked by init, comes soon after it.
+        for entry in pids_since(init_pid):
+            fields = _stat(entry)
+            if fields and int(fields[1]) == init_pid and marker in _cmdline(entry):
+                runtime = process_ref(entry)
                 if runtime is not None:
                     return cls(init, runtime)
         return None

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import structlog
 
+from prorl_server.sandbox.procfs import pids_since
+
 log = structlog.get_logger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -35,16 +37,15 @@ def _own_group(controller: str) -> str:
 
 
 def _descendants(root_pid: int) -> list[int]:
+    """`root_pid` and the processes it started, and theirs (all started after it)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for entry in pids_since(root_pid):
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
         parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry))
+        children.setdefault(parent, []).append(entry)
     found, stack = [], [root_pid]
     while stack:
         pid = stack.pop()
