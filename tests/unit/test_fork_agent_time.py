@@ -26,12 +26,12 @@ from prorl_server.agents import terminal
 from prorl_server.agents.base import Limits, RolloutContext
 from prorl_server.agents.terminal import TerminalInstance
 from prorl_server.app import ProrlServer
-from prorl_server.config import load_settings
 from prorl_server.jobs.phase_runner import BudgetClock
 from prorl_server.llm.base import Sampling
 from tests.conftest import TEST_STATE_DIR, instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text, turn_index
+from tests.helpers import server_settings
 from tests.unit.test_families_fast import leftovers
 from tests.unit.test_terminal_family import TASKS, image_setup, instance_on_host, on_host, paths
 
@@ -53,16 +53,7 @@ class Served:
             f"cd {app} && sleep {SECOND_S:g} && " + on_host("echo 'Hello, world!' > /app/hello.txt", provider),
         ]
         self.backend = ScriptedChatBackend(self.script)
-        settings = load_settings(
-            None,
-            environ={},
-            overrides={
-                "server": {"port": 0, "instance_id": instance_id("server"), "shutdown_grace_s": 0},
-                "jobs": {"store": False},
-                "sandbox": {"state_dir": str(TEST_STATE_DIR)},
-                "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
-            },
-        )
+        settings = server_settings(sandbox={"state_dir": str(TEST_STATE_DIR)})
         self.server = ProrlServer(settings, sandbox_provider=provider, backends=[self.backend])
 
     def script(self, messages: list[dict[str, Any]]) -> ScriptedReply:
