@@ -27,6 +27,7 @@ cannot be judged here.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,6 +38,7 @@ from prorl_server.agents.fields import Seconds, Text, Whole
 from prorl_server.agents.loop import ToolLoopHandler, describe_tools, run_tool_loop
 from prorl_server.agents.tools import BashTool, EditorTool, FinishTool
 from prorl_server.errors import PolicyError
+from prorl_server.sandbox.snapshot import RUNTIME_SCRATCH, Root
 from prorl_server.verifiers.terminal import judge
 
 DEFAULT_WORKDIR = "/app"
@@ -158,6 +160,12 @@ class TerminalHandler(ToolLoopHandler[TerminalInstance, TerminalRunOutcome]):
 
     def image_for(self, instance: TerminalInstance) -> str | None:
         return instance.image
+
+    def fork_roots(self, instance: TerminalInstance) -> Sequence[Root]:
+        """The task's working directory, the submission a fork goes on from (the image's files
+        when the job starts, like a SWE repository: carried as its changes), and the temporary
+        directory. The runtime's own workdir (/workspace) is not the task's."""
+        return (Root("workdir", instance.workdir, pristine=True), Root("tmp", exclude=RUNTIME_SCRATCH))
 
     def needs(self, instance: TerminalInstance) -> TaskNeeds:
         return self.needs_for(instance, float(instance.agent_timeout_s))
