@@ -1,4 +1,4 @@
-"""Shared test helpers: polling instead of sleeps, requests, event summaries."""
+"""Shared test helpers: polling instead of sleeps, requests, a test server's settings, event summaries."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prorl_client import v1
+from prorl_server.config import Settings, load_settings
+from tests.conftest import instance_id
 
 
 async def assert_eventually(
@@ -43,6 +45,21 @@ def math_request(
     if max_turns is not None:
         request.limits.max_turns = max_turns
     return request
+
+
+def server_settings(name: str = "server", **sections: dict[str, Any]) -> Settings:
+    """The settings of a test's own server: a free port, an instance id of this test session's
+    (`name`), no shutdown grace, no job store, no embedded model and no health polling (the test
+    gives ProrlServer its sandbox provider and its backends, or names them in `llm`). `sections`
+    add to these key by key (`jobs={"store": True, "store_path": ...}`) or bring their own."""
+    overrides: dict[str, dict[str, Any]] = {
+        "server": {"port": 0, "instance_id": instance_id(name), "shutdown_grace_s": 0},
+        "jobs": {"store": False},
+        "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
+    }
+    for section, values in sections.items():
+        overrides[section] = {**overrides.get(section, {}), **values}
+    return load_settings(None, environ={}, overrides=overrides)
 
 
 def kinds(events: list[v1.RolloutEvent]) -> list[str]:

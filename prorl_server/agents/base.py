@@ -18,7 +18,7 @@ import copy
 import difflib
 import time
 import typing
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -104,6 +104,14 @@ MIN_TOOL_TIMEOUT_S = 0.1
 """A tool call at a time limit's very end still gets this long (the limit itself cancels it)."""
 
 
+@dataclass(frozen=True)
+class _TimeLimit:
+    """A `RolloutContext.time_limit` in force: its deadline and its whole length."""
+
+    deadline: asyncio.Timeout
+    seconds: float
+
+
 @dataclass
 class _JobSandboxes:
     """A job's sandboxes and the time spent getting them (shared by views of a context)."""
@@ -146,7 +154,7 @@ class RolloutContext(Generic[InstanceT]):
         self._sandbox_factory = sandbox_factory
         self._sandboxes = _JobSandboxes()
         self._clock = clock
-        self._time_limit: asyncio.Timeout | None = None
+        self._time_limit: _TimeLimit | None = None
 
     def for_instance(self, instance: TaskInstance) -> RolloutContext[Any]:
         """A view of this job for another family's phases (the command family judges with the
@@ -164,26 +172,60 @@ class RolloutContext(Generic[InstanceT]):
         return self._judge
 
     @contextlib.asynccontextmanager
-    async def time_limit(self, seconds: float) -> AsyncIterator[asyncio.Timeout]:
+    async def time_limit(self, seconds: float, *, used_s: float = 0.0) -> AsyncIterator[asyncio.Timeout]:
         """A time limit of the task's own for its agent (a Harbor task's [agent] timeout_sec),
         counted as the job's budget is: not while the job waits for a model slot. The body is
         cancelled when it runs out (TimeoutError, with the yielded deadline expired), and each
-        tool call meanwhile gets no more than what is left of it (`tool_timeout_s`)."""
-        async with asyncio.timeout(seconds) as deadline:
+        tool call meanwhile gets no more than what is left of it (`tool_timeout_s`). `used_s` of
+        it is spent already: a fork's agent goes on with what its parent had left at the branch."""
+        async with asyncio.timeout(max(seconds - used_s, 0.0)) as deadline:
             governing = self._clock.governing(deadline) if self._clock is not None else contextlib.nullcontext()
             with governing:
-                outer, self._time_limit = self._time_limit, deadline
+                outer, self._time_limit = self._time_limit, _TimeLimit(deadline, seconds)
                 try:
                     yield deadline
                 finally:
                     self._time_limit = outer
 
     @property
+    def time_used_s(self) -> float | None:
+        """How much of the innermost `time_limit` is used (a fork's parent's part included): what
+        a fork after this point carries on. None without a limit, or while its clock stands still."""
+        limit = self._time_limit
+        if limit is None:
+            return None
+        if limit.deadline.expired():
+            return limit.seconds
+        when = limit.deadline.when()
+        if when is None:
+            return None
+        left = when - asyncio.get_running_loop().time()
+        return min(max(limit.seconds - left, 0.0), limit.seconds)
+
+    @contextlib.contextmanager
+    def time_stopped(self) -> Iterator[None]:
+        """The `time_limit` stands still meanwhile: the job's own work (a fork's snapshot or
+        restore) is not the agent's time, so a fork's agent and its parent's count the same."""
+        limit = self._time_limit
+        when = limit.deadline.when() if limit is not None and not limit.deadline.expired() else None
+        if limit is None or when is None:  # no limit, or the job's clock stopped it already
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        left = when - loop.time()
+        limit.deadline.reschedule(None)
+        try:
+            yield
+        finally:
+            if not limit.deadline.expired():
+                limit.deadline.reschedule(loop.time() + left)
+
+    @property
     def tool_timeout_s(self) -> float:
         """A tool call's time: the job's limit, within what is left of a `time_limit`, so that the
         sandbox itself stops a command at the deadline and its shell is free afterwards."""
         limit = self.limits.tool_timeout_s
-        when = self._time_limit.when() if self._time_limit is not None else None
+        when = self._time_limit.deadline.when() if self._time_limit is not None else None
         if when is None:
             return limit
         return max(min(limit, when - asyncio.get_running_loop().time()), MIN_TOOL_TIMEOUT_S)

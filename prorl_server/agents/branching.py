@@ -6,7 +6,9 @@ tells `boundary(turn)` after each turn whose tool results it
 has recorded (the jobs layer snapshots the sandbox and marks the trajectory there);
 a fork's loop starts with `resume`, which restores the parent's sandbox state into
 the fork's fresh sandbox, and then goes on at turn `resume_after + 1` with the
-recorder and token conversation the jobs layer built from the parent's.
+recorder and token conversation the jobs layer built from the parent's, and with what
+was left of the agent's time limit there (`carried_time_s`). The work done for forking
+(the snapshots, the restore) does not count as the agent's time.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ class Branching(Protocol):
     @property
     def resume_after(self) -> int | None:
         """For a fork: the parent's turn it branched after; None for a job that starts afresh."""
+        ...
+
+    @property
+    def carried_time_s(self) -> float:
+        """For a fork: how much of the task's own time limit for its agent (RolloutContext.time_limit)
+        the parent had used by `resume_after`; 0 for a job that starts afresh or has no such limit."""
         ...
 
     async def begin(self, ctx: Any) -> None:

@@ -27,7 +27,8 @@ cannot be judged here.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import Field, StrictStr, field_validator, model_validator
@@ -37,6 +38,7 @@ from prorl_server.agents.fields import Seconds, Text, Whole
 from prorl_server.agents.loop import ToolLoopHandler, describe_tools, run_tool_loop
 from prorl_server.agents.tools import BashTool, EditorTool, FinishTool
 from prorl_server.errors import PolicyError
+from prorl_server.sandbox.snapshot import RUNTIME_SCRATCH, Root
 from prorl_server.verifiers.terminal import judge
 
 DEFAULT_WORKDIR = "/app"
@@ -147,6 +149,8 @@ class TerminalInstance(TaskInstance):
 class TerminalRunOutcome(RunOutcome):
     state_bytes: int = 0
     """The size of the archive of the agent's working directory (MAX_STATE_BYTES + 1: too large)."""
+    agent_time_carried_s: float = 0.0
+    """A fork's: the agent time its parent had used up to the branch (counted in agent_timeout_s)."""
 
 
 class TerminalHandler(ToolLoopHandler[TerminalInstance, TerminalRunOutcome]):
@@ -156,6 +160,12 @@ class TerminalHandler(ToolLoopHandler[TerminalInstance, TerminalRunOutcome]):
 
     def image_for(self, instance: TerminalInstance) -> str | None:
         return instance.image
+
+    def fork_roots(self, instance: TerminalInstance) -> Sequence[Root]:
+        """The task's working directory, the submission a fork goes on from (the image's files
+        when the job starts, like a SWE repository: carried as its changes), and the temporary
+        directory. The runtime's own workdir (/workspace) is not the task's."""
+        return (Root("workdir", instance.workdir, pristine=True), Root("tmp", exclude=RUNTIME_SCRATCH))
 
     def needs(self, instance: TerminalInstance) -> TaskNeeds:
         return self.needs_for(instance, float(instance.agent_timeout_s))
@@ -181,14 +191,16 @@ class TerminalHandler(ToolLoopHandler[TerminalInstance, TerminalRunOutcome]):
         if not limit:
             return await super().run(ctx)
         system, user = self.system_text(ctx.instance), self.user_prompt(ctx.instance)
+        # A fork's agent has what its parent's had left at the branch: the same total time.
+        carried = ctx.branching.carried_time_s if ctx.branching is not None else 0.0
         try:
-            async with ctx.time_limit(limit) as deadline:
+            async with ctx.time_limit(limit, used_s=carried) as deadline:
                 outcome = await run_tool_loop(ctx, system_prompt=system, user_prompt=user, tools=self.tools)
         except TimeoutError:
             if not deadline.expired():  # some step's own timeout, not the agent's
                 raise
             outcome = RunOutcome("agent_timeout")
-        return await self.submission(ctx, outcome)
+        return replace(await self.submission(ctx, outcome), agent_time_carried_s=carried)
 
     def system_text(self, instance: TerminalInstance) -> str:
         return SYSTEM_PROMPT.format(workdir=instance.workdir, tools=describe_tools(self.tools))
@@ -228,6 +240,8 @@ class TerminalHandler(ToolLoopHandler[TerminalInstance, TerminalRunOutcome]):
         }
         if instance.agent_timeout_s:
             details["agent_timeout_s"] = float(instance.agent_timeout_s)
+            if ctx.branching is not None and ctx.branching.resume_after is not None:
+                details["agent_time_carried_s"] = round(outcome.agent_time_carried_s, 3)
         if outcome.state_bytes > MAX_STATE_BYTES:
             return EvalOutcome(0.0, {**details, "verdict": "state_too_large"})
         state = await ctx.sandbox.read_file(STATE_PATH, max_bytes=MAX_STATE_BYTES)

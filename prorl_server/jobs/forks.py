@@ -49,6 +49,9 @@ class Boundary:
     """Without its archive bytes (those are in `archive`)."""
     lost: str = ""
     """Why no fork can start here; "" when one can."""
+    agent_time_s: float = 0.0
+    """How much of the task's own time limit for its agent was used by then (RolloutContext.time_used_s):
+    a fork's agent has only the rest, as the parent's had."""
 
 
 @dataclass
@@ -167,10 +170,10 @@ class ForkRegistry:
         except ProrlError as exc:
             log.info("fork_base_not_listed", reason=exc.message)
 
-    async def record(self, source: ForkSource, turn: int, sandbox: Any) -> Boundary:
+    async def record(self, source: ForkSource, turn: int, sandbox: Any, *, agent_time_s: float = 0.0) -> Boundary:
         """Keep the job's state after `turn`: never fails the job (a state that cannot be kept
         leaves the turn unforkable, with the reason)."""
-        boundary = Boundary(turn, source.recorder.mark(turn), source.chat.mark())
+        boundary = Boundary(turn, source.recorder.mark(turn), source.chat.mark(), agent_time_s=agent_time_s)
         try:
             state = await capture(sandbox, source.roots, max_bytes=self._max_snapshot, base=source.base)
             await self._make_room(len(state.archive))
@@ -299,19 +302,27 @@ class JobBranching:
     def resume_after(self) -> int | None:
         return self._start.boundary.turn if self._start is not None else None
 
+    @property
+    def carried_time_s(self) -> float:
+        return self._start.boundary.agent_time_s if self._start is not None else 0.0
+
     async def begin(self, ctx: Any) -> None:
         if any(root.pristine for root in self._source.roots):
-            await self._registry.begin(self._source, ctx.sandbox)
+            with ctx.time_stopped():
+                await self._registry.begin(self._source, ctx.sandbox)
 
     async def resume(self, ctx: Any) -> None:
         assert self._start is not None
         boundary = self._start.boundary
         assert boundary.archive is not None and boundary.state is not None
-        archive = await asyncio.to_thread(boundary.archive.read_bytes)
-        await restore(ctx.sandbox, self._source.roots, replace(boundary.state, archive=archive))
+        with ctx.time_stopped():
+            archive = await asyncio.to_thread(boundary.archive.read_bytes)
+            await restore(ctx.sandbox, self._source.roots, replace(boundary.state, archive=archive))
 
     async def boundary(self, ctx: Any, turn: int) -> None:
-        await self._registry.record(self._source, turn, ctx.sandbox)
+        used = ctx.time_used_s  # before the snapshot, which is not the agent's time
+        with ctx.time_stopped():
+            await self._registry.record(self._source, turn, ctx.sandbox, agent_time_s=used or 0.0)
 
 
 def _folder_name(job_id: str) -> str:

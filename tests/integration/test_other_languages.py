@@ -14,8 +14,11 @@ from typing import Any
 import pytest
 
 from prorl_client import Client, v1
+from prorl_server.app import ProrlServer
 from prorl_server.jobs.feed import decode_cursor
 from prorl_server.jobs.sqlite_store import SQLiteJobStore
+from tests.adversarial.test_gateway_hostile import RAW_CALLS, LeanBackend
+from tests.conftest import make_settings, server_containers
 from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index, user_prompt
 from tests.helpers import assert_eventually, math_request
 
@@ -341,3 +344,51 @@ async def test_go_feed_consumer_resumes_after_falling_behind_or_losing_its_serve
         assert await late.wait() == 3, late.said()
         assert "deleted by the server's retention" in late.said() and "-from oldest" in late.said()
         assert old.read_text() == consumer.lines[0]["cursor"] + "\n"
+
+
+async def test_go_feed_consumer_reads_the_result_of_a_program_whose_last_call_is_8_mb(
+    podman_url: str, tmp_path: Path
+) -> None:
+    """A `command` job's program sends a last model call of 8 MB (before issue 30: an
+    8,000,766-byte result); the Go feed consumer, on grpc-go's default limits (4 MiB to
+    receive), reads every event of the job, its finished result among them, through Subscribe."""
+    code, output = await run("bash", str(EXAMPLES / "go" / "build.sh"))
+    assert code == 0, output
+    backend = LeanBackend()  # a scripted fake in process: answers "42", keeps only each call's size
+    settings = make_settings(
+        podman_url,
+        None,
+        jobs={"store": True, "store_path": str(tmp_path / "jobs.sqlite")},
+        subscribe={"poll_interval_s": 0.05},
+        llm={"embedded": {"enabled": "never"}, "health_interval_s": 0},
+    )
+    server = ProrlServer(settings, backends=[backend])
+    await server.start()
+    try:
+        program = RAW_CALLS + '[(status, _)] = wave(1, 8_000_000)\nassert status == 200, status\nprint("42")\n'
+        request = v1.RolloutRequest(job_id="big-last-call", handler="command")
+        request.instance.update(
+            {
+                "program": {"argv": ["python3", "agent.py"], "files": {"agent.py": program}},
+                "verifier": "math",
+                "task": {"question": "What is 6 * 7?", "answer": "42"},
+            }
+        )
+        async with Client.connect(server.address) as client:
+            await client.submit(request)
+            events = [event async for event in client.watch(request.job_id)]
+        result = events[-1].finished.result
+        assert result.status == v1.JOB_STATUS_SUCCEEDED and result.reward == 1.0, result.failure
+        assert backend.sizes and backend.sizes[-1] >= 8_000_000  # the call really carried 8 MB
+
+        async with consumers() as start:
+            consumer = await start(server.address, tmp_path / "c.cursor", "-from", "oldest", "-idle", "3s")
+            assert await consumer.wait() == 0, consumer.said()
+        assert "ResourceExhausted" not in consumer.said(), consumer.said()
+        printed = [(line["job_id"], line["seq"], line["kind"]) for line in consumer.lines]
+        assert printed == [(event.job_id, event.seq, str(event.WhichOneof("kind"))) for event in events]
+        finished = consumer.lines[-1]
+        assert finished["status"] == "JOB_STATUS_SUCCEEDED" and finished["reward"] == 1.0, finished
+    finally:
+        await server.stop()
+    assert not server_containers(podman_url, settings.server.instance_id)

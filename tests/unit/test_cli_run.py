@@ -22,10 +22,9 @@ from prorl_client.runner import job_id_for
 
 from prorl_client import Client
 from prorl_server.app import ProrlServer
-from prorl_server.config import load_settings
 from prorl_server.testing import FakeSandboxProvider, ScriptedChatBackend, ScriptedReply, tool_call_text, user_prompt
 from tests.conftest import instance_id
-from tests.helpers import assert_eventually
+from tests.helpers import assert_eventually, server_settings
 
 
 class Served:
@@ -36,15 +35,7 @@ class Served:
         self.provider = FakeSandboxProvider(instance_id=instance_id("fake"))
         self.backend = ScriptedChatBackend(self.script)
         jobs: dict[str, Any] = {"store": False} if store is None else {"store": True, "store_path": str(store)}
-        settings = load_settings(
-            None,
-            environ={},
-            overrides={
-                "server": {"port": 0, "instance_id": instance_id("server"), "shutdown_grace_s": 0},
-                "jobs": jobs,
-                "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
-            },
-        )
+        settings = server_settings(jobs=jobs)
         self.server = ProrlServer(settings, sandbox_provider=self.provider, backends=[self.backend])
 
     def script(self, messages: list[dict[str, Any]]) -> ScriptedReply:

@@ -20,7 +20,6 @@ from google.protobuf.struct_pb2 import Struct
 
 from prorl_client import Client, RpcError, v1
 from prorl_server.app import ProrlServer
-from prorl_server.config import load_settings
 from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.base import LLMBackend
 from prorl_server.llm.factory import build_backend
@@ -28,7 +27,7 @@ from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, user_prompt
 from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
-from tests.helpers import assert_eventually
+from tests.helpers import assert_eventually, server_settings
 
 # Two calls: the second extends the first (its reply echoed back, one more user message).
 AGENT = """
@@ -58,20 +57,7 @@ def command_request(question: str, gold: str, *, argv: list[str] | None = None) 
 
 async def served(backend: LLMBackend, *, gateway_port: int | None = None) -> tuple[ProrlServer, FakeSandboxProvider]:
     provider = FakeSandboxProvider(instance_id=instance_id("cmd"))
-    settings = load_settings(
-        None,
-        environ={},
-        overrides={
-            "server": {
-                "port": 0,
-                "instance_id": instance_id("server"),
-                "shutdown_grace_s": 0,
-                "gateway_port": gateway_port,
-            },
-            "jobs": {"store": False},
-            "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
-        },
-    )
+    settings = server_settings(server={"gateway_port": gateway_port})
     server = ProrlServer(settings, sandbox_provider=provider, backends=[backend])
     await server.start()
     return server, provider

@@ -49,7 +49,7 @@ HANDLER_KEYS = {
     "stem": {"verdict", "stop_reason", "answer"},
     "code": {"verdict", "stop_reason"},
     "swe": {"verdict", "stop_reason", "instance_id", "patch"},
-    "terminal": {"verdict", "stop_reason", "task", "state_bytes", "agent_timeout_s"},
+    "terminal": {"verdict", "stop_reason", "task", "state_bytes", "agent_timeout_s", "agent_time_carried_s"},
     "rubric": {"stop_reason", "answer"},
 }
 HANDLER_VERDICTS = {

@@ -15,10 +15,10 @@ import pytest
 from prorl_client import Client, v1
 from prorl_server.agents.registry import HandlerRegistry
 from prorl_server.app import ProrlServer
-from prorl_server.config import load_settings
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text
+from tests.helpers import server_settings
 
 HANDLERS_MD = Path(__file__).resolve().parents[2] / "docs" / "handlers.md"
 
@@ -46,15 +46,7 @@ def grader(messages: list[dict[str, Any]]) -> ScriptedReply:
 )
 async def test_the_documented_judged_family_runs(answer: str, reward: float) -> None:
     handler = example_module().ExplainedHandler()
-    settings = load_settings(
-        None,
-        environ={},
-        overrides={
-            "server": {"port": 0, "instance_id": instance_id("explained"), "shutdown_grace_s": 0},
-            "jobs": {"store": False},
-            "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
-        },
-    )
+    settings = server_settings("explained")
     policy = ScriptedChatBackend([tool_call_text("finish", {"answer": answer})])
     judge = ScriptedChatBackend(grader, backend_id="judge")
     provider = FakeSandboxProvider(instance_id=instance_id("explained"))

@@ -21,13 +21,12 @@ from examples.fork_tree.tree import advantages, sample_tree
 from prorl_client import Client, RpcError, v1
 from prorl_server.app import ProrlServer
 from prorl_server.cluster.jobs import ClusterJobs
-from prorl_server.config import load_settings
 from prorl_server.errors import FailedPrecondition
 from prorl_server.testing.scripted_llm import tool_call_text
 from tests.conftest import TEST_STATE_DIR, instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
-from tests.helpers import math_request
+from tests.helpers import math_request, server_settings
 
 PARENT_TURNS = [
     # turn 0: files in a subdirectory, the shell moves there and exports a variable
@@ -92,20 +91,11 @@ class Served:
             "base_url": self.fake.base_url,
             "tokenizer_path": str(self.tokenizer),
         }
-        settings = load_settings(
-            None,
-            environ={},
-            overrides={
-                "server": {
-                    "port": 0,
-                    "instance_id": instance_id("server"),
-                    "shutdown_grace_s": 0,
-                    **self.server_settings,
-                },
-                "jobs": {"store": False, **self.jobs},
-                "sandbox": {"state_dir": str(TEST_STATE_DIR)},
-                "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0, "backends": [backend]},
-            },
+        settings = server_settings(
+            server=self.server_settings,
+            jobs=self.jobs,
+            sandbox={"state_dir": str(TEST_STATE_DIR)},
+            llm={"backends": [backend]},
         )
         self.server = ProrlServer(settings, sandbox_provider=self.provider)
         await self.server.start()

@@ -15,11 +15,12 @@ import pytest_asyncio
 
 from prorl_client import Client, RpcError, v1
 from prorl_server.app import ProrlServer
-from prorl_server.config import ConfigError, load_settings
+from prorl_server.config import ConfigError
 from tests.conftest import instance_id
 from tests.fakes.obedient_judge import GradingKey, ObedientJudge
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedLLMServer, ScriptedReply, tool_call_text
+from tests.helpers import server_settings
 
 QUESTION = "Explain why ice floats on water."
 INSTANCE: dict[str, Any] = {
@@ -45,16 +46,7 @@ def policy(answer: str) -> ScriptedChatBackend:
 
 
 def settings(**judge: Any) -> Any:
-    return load_settings(
-        None,
-        environ={},
-        overrides={
-            "server": {"port": 0, "instance_id": instance_id("rubric"), "shutdown_grace_s": 0},
-            "jobs": {"store": False},
-            "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
-            "judge": {"health_interval_s": 0, **judge},
-        },
-    )
+    return server_settings("rubric", judge={"health_interval_s": 0, **judge})
 
 
 @pytest_asyncio.fixture

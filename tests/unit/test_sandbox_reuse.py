@@ -18,14 +18,13 @@ import pytest_asyncio
 
 from prorl_client import Client
 from prorl_server.app import ProrlServer
-from prorl_server.config import load_settings
 from prorl_server.errors import SandboxError
 from prorl_server.sandbox.allocator import ReusePolicy, SandboxAllocator
 from prorl_server.sandbox.base import SandboxSpec
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeContainer, FakeSandboxProvider
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text, turn_index
-from tests.helpers import assert_eventually, math_request
+from tests.helpers import assert_eventually, math_request, server_settings
 
 SPEC = SandboxSpec(image="fake:latest", cpus=1.0, memory_mib=256, pids_limit=64)
 
@@ -181,16 +180,7 @@ async def test_through_a_live_server_jobs_one_after_another_share_a_sandbox_and_
         return ScriptedReply(tool_call_text("finish", {"answer": "42"}))
 
     provider = FakeSandboxProvider(instance_id=instance_id("reuse"))
-    settings = load_settings(
-        None,
-        environ={},
-        overrides={
-            "server": {"port": 0, "instance_id": instance_id("server"), "shutdown_grace_s": 0},
-            "jobs": {"store": False},
-            "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
-            "sandbox": {"reuse": {"enabled": True}},
-        },
-    )
+    settings = server_settings(sandbox={"reuse": {"enabled": True}})
     server = ProrlServer(settings, sandbox_provider=provider, backends=[ScriptedChatBackend(script)])
     await server.start()
     client = Client.connect(server.address)

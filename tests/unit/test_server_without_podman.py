@@ -18,11 +18,10 @@ import pytest_asyncio
 
 from prorl_client import Client, RpcError, v1
 from prorl_server.app import ProrlServer
-from prorl_server.config import load_settings
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text, user_prompt
-from tests.helpers import assert_eventually, kinds, math_request
+from tests.helpers import assert_eventually, kinds, math_request, server_settings
 
 
 class Served:
@@ -30,15 +29,7 @@ class Served:
         self.release = asyncio.Event()
         self.provider = FakeSandboxProvider(instance_id=instance_id("fake"))
         self.backend = ScriptedChatBackend(self.script)
-        settings = load_settings(
-            None,
-            environ={},
-            overrides={
-                "server": {"port": 0, "instance_id": instance_id("server"), "shutdown_grace_s": 0},
-                "jobs": {"store": False},
-                "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
-            },
-        )
+        settings = server_settings()
         self.server = ProrlServer(settings, sandbox_provider=self.provider, backends=[self.backend])
         self.client: Client | None = None
 

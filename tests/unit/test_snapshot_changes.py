@@ -31,7 +31,6 @@ import pytest_asyncio
 
 from prorl_client import Client, v1
 from prorl_server.app import ProrlServer
-from prorl_server.config import load_settings
 from prorl_server.sandbox import snapshot
 from prorl_server.sandbox.base import SandboxSpec
 from prorl_server.sandbox.sandbox import Sandbox
@@ -48,6 +47,7 @@ from prorl_server.sandbox.snapshot import (
 from prorl_server.testing.scripted_llm import ScriptedLLMServer, ScriptedReply, tool_call_text, turn_index
 from tests.conftest import TEST_STATE_DIR, instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
+from tests.helpers import server_settings
 from tests.unit import test_families_fast as families
 from tests.unit.test_families_fast import GIT, SWE_IMAGE, calc_repository, swe_instance
 from tests.unit.test_snapshot_archive import archive
@@ -358,15 +358,8 @@ async def test_a_forked_swe_job_restores_the_repository_from_its_changes() -> No
 
     llm = ScriptedLLMServer(policy)
     await llm.start()
-    settings = load_settings(
-        None,
-        environ={},
-        overrides={
-            "server": {"port": 0, "instance_id": instance_id("server"), "shutdown_grace_s": 0},
-            "jobs": {"store": False},
-            "sandbox": {"state_dir": str(TEST_STATE_DIR)},
-            "llm": {"backends": [{"id": "scripted", "base_url": llm.base_url}], "embedded": {"enabled": "never"}},
-        },
+    settings = server_settings(
+        sandbox={"state_dir": str(TEST_STATE_DIR)}, llm={"backends": [{"id": "scripted", "base_url": llm.base_url}]}
     )
     server = ProrlServer(settings, sandbox_provider=provider)
     await server.start()

@@ -19,7 +19,6 @@ from prorl_client.bridges.verl import agent_loop_output
 
 from prorl_client import Client, v1
 from prorl_server.app import ProrlServer
-from prorl_server.config import load_settings
 from prorl_server.errors import InvalidArgument, Unavailable
 from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.base import Sampling
@@ -28,7 +27,7 @@ from prorl_server.llm.token_http import VLLMBackend
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
-from tests.helpers import assert_eventually, math_request
+from tests.helpers import assert_eventually, math_request, server_settings
 
 FINISH = '<tool_call>{"name": "finish", "arguments": {"answer": "42"}}</tool_call>'
 
@@ -59,15 +58,7 @@ class Served:
     def __init__(self, fake: FakeVLLM, folder: Path) -> None:
         self.provider = FakeSandboxProvider(instance_id=instance_id("fake"))
         backend = {"id": "vllm", "kind": "vllm", "base_url": fake.base_url, "tokenizer_path": str(folder)}
-        settings = load_settings(
-            None,
-            environ={},
-            overrides={
-                "server": {"port": 0, "instance_id": instance_id("server"), "shutdown_grace_s": 0},
-                "jobs": {"store": False},
-                "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0, "backends": [backend]},
-            },
-        )
+        settings = server_settings(llm={"backends": [backend]})
         self.server = ProrlServer(settings, sandbox_provider=self.provider)
         self.client = Client.connect("")
 

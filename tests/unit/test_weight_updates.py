@@ -15,7 +15,6 @@ import pytest_asyncio
 
 from prorl_client import Client, RpcError, v1
 from prorl_server.app import ProrlServer
-from prorl_server.config import load_settings
 from prorl_server.errors import InvalidArgument
 from prorl_server.llm.backend_settings import BackendSettings
 from prorl_server.llm.base import Sampling
@@ -26,7 +25,7 @@ from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import LoadableScriptedBackend, ScriptedChatBackend, ScriptedReply, tool_call_text
 from tests.fakes.token_servers import FakeSGLang, write_tiny_tokenizer
-from tests.helpers import assert_eventually, math_request
+from tests.helpers import assert_eventually, math_request, server_settings
 
 
 class LoadableBackend(LoadableScriptedBackend):
@@ -45,15 +44,7 @@ class Served:
     def __init__(self, *extra: ScriptedChatBackend) -> None:
         self.backend = LoadableBackend()
         self.provider = FakeSandboxProvider(instance_id=instance_id("fake"))
-        settings = load_settings(
-            None,
-            environ={},
-            overrides={
-                "server": {"port": 0, "instance_id": instance_id("server"), "shutdown_grace_s": 0},
-                "jobs": {"store": False},
-                "llm": {"embedded": {"enabled": "never"}, "health_interval_s": 0},
-            },
-        )
+        settings = server_settings()
         self.server = ProrlServer(settings, sandbox_provider=self.provider, backends=[self.backend, *extra])
         self.client = Client.connect("")
 
