@@ -10,6 +10,14 @@ tests/vllm.py make_checkpoint), so each version's log-probs differ from its neig
 well beyond bf16 noise. Which weights sampled a turn is then measured, not assumed:
 its tokens are re-scored with transformers under the checkpoint of the version it
 claims and under the neighbouring ones, and the claimed one must fit best.
+
+A checkpoint vLLM cannot load (a folder that is not there; a half-written one that fails
+half-way through vLLM's reload) is refused and vLLM serves its old weights, byte for byte
+as vLLM's own checksums (POST /weight_checker) say.
+
+Run always: the refused checkpoints and the aborted turn (minutes together on two cores).
+On request: the many jobs across many updates (PRORL_TEST_VLLM_UPDATES, below), whose
+re-scoring alone took 10 minutes at 8x2 here.
 """
 
 from __future__ import annotations
@@ -211,7 +219,7 @@ async def test_a_turn_aborted_by_pause_is_resampled_under_the_new_version(
     _, client = await start_server(
         None, llm={"backends": [vllm_backend(vllm.base_url)], "embedded": {"enabled": "never"}}
     )
-    jobs = [asyncio.create_task(_collect(client, job(100 + i, max_turns=2, max_tokens=400))) for i in range(4)]
+    jobs = [asyncio.create_task(_collect(client, job(100 + i, max_turns=2, max_tokens=200))) for i in range(4)]
     for _ in range(5):  # a turn may end between the probe and the pause: then try again
         await _until(lambda: vllm.metrics(), lambda m: m.get("vllm:num_requests_running", 0) >= 1)
         pause = await client.pause(abort_in_flight=True)
@@ -229,7 +237,12 @@ async def test_a_turn_aborted_by_pause_is_resampled_under_the_new_version(
     assert len(resampled) == pause.aborted  # each aborted turn is marked, and only those
     assert all(span.policy_version == 1 for span in resampled)  # re-sampled wholly under the new weights
     assert all(not span.resampled for span in spans if span.policy_version == 0)
-    turns, wrong, _ = await asyncio.to_thread(version_check, list(results), checkpoints[:2])
+    turns, wrong, deltas = await asyncio.to_thread(version_check, list(results), checkpoints[:2])
+    print(
+        f"\n{len(results)} jobs, {turns} turns, {pause.aborted} aborted by Pause and re-sampled under version 1; "
+        f"tokens with a wrong version: {wrong}; |Δ| to the claimed weights median "
+        f"{statistics.median(deltas):.4f}, max {max(deltas):.4f}"
+    )
     assert turns == len(spans) and wrong == 0
 
 
