@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -202,6 +203,16 @@ class VLLMServer:
     async def weight_version(self) -> str:
         return str((await self.get_json("/weight_info"))["weight_version"])
 
+    async def checksums(self) -> dict[str, str]:
+        """vLLM's own sha256 of each weight tensor it serves (POST /weight_checker, its RL API)."""
+        answer: dict[str, str] = (await self.post("/weight_checker", {"action": "checksum"}))["checksums"]
+        return answer
+
+    async def mismatches(self, baseline: dict[str, str]) -> list[str]:
+        """The weight tensors vLLM serves whose bytes are not those of `baseline` (vLLM compares)."""
+        answer = await self.post("/weight_checker", {"action": "compare", "baseline": baseline})
+        return [str(name) for name in answer["mismatches"]]
+
 
 def rescore(model: Path | None, sequences: Sequence[dict[str, Any]]) -> list[list[float]]:
     """Log-probs of the given tokens, by a transformers forward pass in vLLM's environment
@@ -231,6 +242,44 @@ def make_checkpoint(source: Path, out: Path, step: int) -> Path:
     )  # fmt: skip
     if completed.returncode != 0:
         raise RuntimeError(f"vllm_model.py --perturb failed: {completed.stderr.decode(errors='replace')[-2000:]}")
+    return out
+
+
+def make_half_written_checkpoint(source: Path, out: Path) -> Path:
+    """A checkpoint as a trainer that died while saving it leaves one: `source`'s config, about
+    half of its tensors (by name) in a sound first shard, and a second shard cut off inside its
+    header. vLLM reads the first shard into the model's layers before the second fails; the cut
+    falls between a layer's k_proj and its q_proj and v_proj, which vLLM stacks into one qkv
+    tensor, so that layer is left with part of its weights loaded.
+
+    Written from safetensors' layout (8-byte little-endian header size, a JSON header of
+    name -> dtype, shape, data_offsets, then the data), so no torch is needed here."""
+    out.mkdir(parents=True)
+    shutil.copy(source / "config.json", out / "config.json")
+    with (source / "model.safetensors").open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        data = f.read()
+    header.pop("__metadata__", None)
+    names = sorted(header)
+    cut = 1 + next(i for i in range(len(names) // 2, len(names)) if names[i].endswith("self_attn.k_proj.weight"))
+    first: dict[str, Any] = {}
+    chunks: list[bytes] = []
+    offset = 0
+    for name in names[:cut]:
+        begin, end = header[name]["data_offsets"]
+        chunks.append(data[begin:end])
+        first[name] = {**header[name], "data_offsets": [offset, offset + end - begin]}
+        offset += end - begin
+    encoded = json.dumps(first).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    (out / "model-00001-of-00002.safetensors").write_bytes(
+        len(encoded).to_bytes(8, "little") + encoded + b"".join(chunks)
+    )
+    second = json.dumps({name: header[name] for name in names[cut:]}).encode()
+    (out / "model-00002-of-00002.safetensors").write_bytes(
+        len(second).to_bytes(8, "little") + second[: len(second) // 2]
+    )
     return out
 
 

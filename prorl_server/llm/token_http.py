@@ -29,11 +29,14 @@ template come from a local Hugging Face tokenizer folder.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -104,6 +107,10 @@ class HTTPTokenBackend(TokenBackend):
         await self._http.close()
 
 
+class NoEndpoint(InvalidArgument):
+    """vLLM answered 404: it has no such RL endpoint (not served with VLLM_SERVER_DEV_MODE=1, or older)."""
+
+
 class VLLMBackend(HTTPTokenBackend):
     path = "/completions"
     health_path = "/models"
@@ -155,15 +162,26 @@ class VLLMBackend(HTTPTokenBackend):
         return self.info.base_url.removesuffix("/v1")
 
     async def _control(self, path: str, payload: dict[str, Any] | None = None, **params: str) -> str:
-        """One POST to an RL endpoint, not retried: a failed reload must be seen as it is."""
+        """One POST to an RL endpoint, not retried (a failed reload must be seen as it is), on a
+        connection of its own: vLLM's API server closes a connection after a 500 from an uncaught
+        error (a failed reload is one), so the next request on a kept-alive connection was reset
+        (vLLM 0.32); that reset, not vLLM, had failed the reload of the previous weights."""
         url = f"{self.server_root}{path}"
+        session = self._http.session
         try:
-            async with self._http.session.post(url, json=payload, params=params or None) as response:
+            async with (
+                aiohttp.ClientSession(
+                    timeout=session.timeout,
+                    headers=session.headers,
+                    connector=aiohttp.TCPConnector(force_close=True),
+                ) as fresh,
+                fresh.post(url, json=payload, params=params or None) as response,
+            ):
                 text = await response.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise Unavailable(f"vLLM backend {self.info.id!r} was not reached at {url}: {exc!r}") from None
         if response.status == 404:
-            raise InvalidArgument(
+            raise NoEndpoint(
                 f"vLLM backend {self.info.id!r} has no {path} endpoint: start it with VLLM_SERVER_DEV_MODE=1 "
                 "(its RL endpoints), docs/llm.md"
             )
@@ -175,17 +193,22 @@ class VLLMBackend(HTTPTokenBackend):
         """Pause vLLM (finishing whatever it still runs), reload the weights in place from the
         checkpoint folder, drop its prefix cache (no KV of the old weights is reused), resume.
 
-        vLLM's in-place reload is not transactional: a checkpoint it cannot read fails
-        half-way, with the model's layers already reset (the next forward pass crashed the
-        engine here, vLLM 0.32). So on a failure the checkpoint it served before is loaded
-        again before vLLM resumes, and the call fails saying so."""
+        A checkpoint folder vLLM could not read is refused before vLLM is paused, where that
+        can be told from here (`_unreadable`). vLLM's in-place reload is not transactional: a
+        checkpoint that fails half-way leaves the model's layers reset, on the meta device (the
+        next forward pass crashed the engine here, vLLM 0.32). So on a failure the checkpoint it
+        served before is loaded again, vLLM's own weight checksums must then read every tensor
+        (none is left on the meta device), and only then does vLLM resume; the call fails
+        saying so. If that cannot be done, vLLM is left paused."""
         previous = self._weights_path or await self._served_path()
+        await self._refuse_unreadable(model_path, previous)
         await self._control("/pause", mode="wait")
         try:
             await self._reload(model_path)
         except InvalidArgument as exc:
             try:
                 await self._reload(previous)
+                await self._check_weights_readable()
             except ProrlError as again:
                 # Its layers may be half reset: left paused, vLLM runs no forward pass on them
                 # (one crashed the engine here), whoever else sends it requests.
@@ -204,6 +227,25 @@ class VLLMBackend(HTTPTokenBackend):
             raise
         self._weights_path = model_path
         await self._control("/resume")
+
+    async def _check_weights_readable(self) -> None:
+        """vLLM's own checksums of its weights (POST /weight_checker): they fail on a tensor left
+        on the meta device by a reload that stopped half-way. A vLLM without the endpoint (before
+        0.32) is trusted on its reload's success, which ends by putting every layer's tensors back."""
+        with contextlib.suppress(NoEndpoint):
+            await self._control("/weight_checker", {"action": "checksum"})
+
+    async def _refuse_unreadable(self, model_path: str, previous: str) -> None:
+        """Refuse, before vLLM is paused or touched, a checkpoint folder it could not read, where
+        vLLM runs on this host (a loopback address) and sees its files as they are here."""
+        if (urlsplit(self.info.base_url).hostname or "") not in LOOPBACK:
+            return
+        why = await asyncio.to_thread(_unreadable, model_path, previous)
+        if why:
+            raise InvalidArgument(
+                f"vLLM backend {self.info.id!r} was not asked to load {model_path!r}: {why}; "
+                f"it serves its previous weights {previous!r}, untouched"
+            )
 
     async def _reload(self, model_path: str) -> None:
         await self._control("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_path}})
@@ -260,6 +302,25 @@ class SGLangBackend(HTTPTokenBackend):
             raise InvalidArgument(
                 f"SGLang backend {self.info.id!r} did not load {model_path!r}: {body.get('message', 'no reason given')}"
             )
+
+
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+"""What vLLM's default loader reads from a checkpoint folder (vllm/model_executor/model_loader/default_loader.py)."""
+
+
+def _unreadable(model_path: str, served: str) -> str:
+    """Why vLLM cannot read the checkpoint folder `model_path`, or "" where it can or where that
+    cannot be told from here: only an absolute path is checked, and only when the folder vLLM
+    serves (`served`) is visible here at the same path, so that this host's files are vLLM's."""
+    path, served_path = Path(model_path), Path(served)
+    if not (path.is_absolute() and served_path.is_absolute() and served_path.is_dir()):
+        return ""  # a hub repo id, or vLLM's files are not these: vLLM judges
+    if not path.is_dir():
+        return "no such folder on the vLLM host"
+    if not any(next(path.glob(pattern), None) is not None for pattern in WEIGHT_FILES):
+        return f"the folder has no weight files ({', '.join(WEIGHT_FILES)})"
+    return ""
 
 
 def _error_message(text: str) -> str:
