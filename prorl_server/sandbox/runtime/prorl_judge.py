@@ -100,15 +100,20 @@ import os
 import select
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 
-HEADER = struct.Struct(">Q")
-MAX_FRAME = 64 << 20
+if __package__:  # imported by the server's tests
+    from .prorl_sandbox_runtime import wire
+else:  # run as a script under -I: the package beside this file, before anything else
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from prorl_sandbox_runtime import wire
+
+HEADER = wire.HEADER
+MAX_FRAME = wire.MAX_PIPE
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -227,9 +232,7 @@ class ProtocolError(Exception):
     """The other side sent something that is not a well-formed frame."""
 
 
-def encode_frame(message):
-    body = json.dumps(message).encode("utf-8")
-    return HEADER.pack(len(body)) + body
+encode_frame = wire.encode_frame
 
 
 def write_all(fd, data):

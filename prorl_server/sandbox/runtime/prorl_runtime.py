@@ -37,7 +37,6 @@ import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -47,8 +46,13 @@ import time
 import traceback
 import tty
 
-HEADER = struct.Struct(">Q")
-MAX_FRAME = 1 << 30
+if __package__:  # imported by the server (its tests, the HTTP adapter's header list)
+    from .prorl_sandbox_runtime import wire
+else:  # run as a script: the package beside this file comes first, whatever else is on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from prorl_sandbox_runtime import wire
+
+HEADER = wire.HEADER
 DEFAULT_CAP = 64 * 1024
 INTERRUPT_GRACE_S = 1.0
 BASH_START_S = 120.0
@@ -67,31 +71,8 @@ that swallows KeyboardInterrupt is killed after this, within PYTHON_ACK_S in all
 # --- framing -----------------------------------------------------------------
 
 
-def read_exact(sock, size):
-    chunks = []
-    while size:
-        chunk = sock.recv(min(size, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        size -= len(chunk)
-    return b"".join(chunks)
-
-
-def read_frame(stream):
-    header = read_exact(stream, HEADER.size)
-    if header is None:
-        return None
-    (size,) = HEADER.unpack(header)
-    if size > MAX_FRAME:
-        raise ValueError("frame of %d bytes is too large" % size)
-    body = read_exact(stream, size)
-    return None if body is None else json.loads(body.decode("utf-8"))
-
-
-def encode_frame(message):
-    body = json.dumps(message).encode("utf-8")
-    return HEADER.pack(len(body)) + body
+read_frame = wire.recv_frame
+encode_frame = wire.encode_frame
 
 
 # --- output capping ------------------------------------------------------------

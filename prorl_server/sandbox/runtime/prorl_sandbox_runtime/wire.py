@@ -1,0 +1,116 @@
+"""The runtime's frames and words, for both ends of the socket and the judge's pipes.
+
+A frame is an 8-byte big-endian length and that many bytes of UTF-8 JSON. A
+request is {"id": int, "op": str, ...fields}; its answer is {"id", "ok": true,
+...result} or {"id", "ok": false, "error": str, "errno": int | null} when the
+request itself could not be served. The HTTP relay's frames name their exchange
+by "gw" and say what they are by "type" (see RELAY_*).
+
+Imported by the in-sandbox runtime and judge (python3 3.8+, stdlib only) and by
+the server (runtime/client.py, runtime/socket_gateway.py), so the two ends
+cannot drift apart. Typed, for the server's strict checks, in 3.8's syntax.
+"""
+
+import json
+import struct
+from typing import Any, Final, Mapping, Optional
+
+HEADER: Final = struct.Struct(">Q")
+"""The length prefix of every frame."""
+
+MAX_REQUEST: Final = 1 << 30
+"""The largest frame the runtime reads from the server (a write_file of up to 768 MiB)."""
+MAX_REPLY: Final = 2 << 30
+"""The largest answer the server reads from the runtime: a whole file of read_file's own
+limit (1 GiB), base64-encoded."""
+MAX_RELAY: Final = 256 << 20
+"""The largest HTTP relay frame the server reads (the runtime caps a request body at 64 MiB;
+base64 and headers come on top)."""
+MAX_PIPE: Final = 64 << 20
+"""The largest frame the judge reads from its children's pipes."""
+
+
+class FrameTooLarge(ValueError):
+    """A frame's length prefix is over the reader's limit: the other side is broken or hostile."""
+
+
+def encode_frame(message: Mapping[str, Any], compact: bool = False) -> bytes:
+    """`message` as one frame; `compact` drops the spaces after separators."""
+    body = json.dumps(message, separators=(",", ":") if compact else None).encode("utf-8")
+    return HEADER.pack(len(body)) + body
+
+
+def frame_size(header: bytes, limit: int, what: str = "frame") -> int:
+    """The body's length a frame's header announces; FrameTooLarge over `limit`."""
+    (size,) = HEADER.unpack(header)
+    if size > limit:
+        raise FrameTooLarge("a %s of %d bytes is too large (the limit is %d)" % (what, size, limit))
+    return int(size)
+
+
+def decode_body(body: bytes) -> Any:
+    """A frame's body: any JSON value (the callers check that it is an object)."""
+    return json.loads(body.decode("utf-8"))
+
+
+def recv_exact(sock: Any, size: int) -> Optional[bytes]:
+    """Exactly `size` bytes from a blocking socket, or None at EOF."""
+    chunks = []
+    while size:
+        chunk = sock.recv(min(size, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv_frame(sock: Any, limit: int = MAX_REQUEST) -> Any:
+    """The next frame from a blocking socket, decoded; None at EOF; FrameTooLarge over `limit`."""
+    header = recv_exact(sock, HEADER.size)
+    if header is None:
+        return None
+    body = recv_exact(sock, frame_size(header, limit))
+    return None if body is None else decode_body(body)
+
+
+# --- the words -------------------------------------------------------------------------
+
+# Fields every request and answer carries.
+ID: Final = "id"
+OP: Final = "op"
+OK: Final = "ok"
+ERROR: Final = "error"
+ERRNO: Final = "errno"
+
+# Operations: what `op` names. `gateway` turns its connection into an HTTP relay channel.
+OP_HEALTH: Final = "health"
+OP_BASH: Final = "bash"
+OP_PYTHON: Final = "python"
+OP_EDIT: Final = "edit"
+OP_READ_FILE: Final = "read_file"
+OP_WRITE_FILE: Final = "write_file"
+OP_LIST_DIR: Final = "list_dir"
+OP_RESET: Final = "reset"
+OP_JUDGE: Final = "judge"
+OP_GATEWAY: Final = "gateway"
+OPS = (OP_HEALTH, OP_BASH, OP_PYTHON, OP_EDIT, OP_READ_FILE, OP_WRITE_FILE, OP_LIST_DIR, OP_RESET, OP_JUDGE)
+"""The operations of a runtime connection (OP_GATEWAY, the relay's opening, aside)."""
+
+# Fields of a request the runtime reads whatever its op.
+TIMEOUT_S: Final = "timeout_s"
+MAX_OUTPUT_BYTES: Final = "max_output_bytes"
+
+# The HTTP relay: every frame names its exchange by GW and says what it is by TYPE.
+GW: Final = "gw"
+TYPE: Final = "type"
+RELAY_REQUEST: Final = "request"
+"""runtime -> server: method, path, headers [[name, value], ...], body_b64."""
+RELAY_CANCEL: Final = "cancel"
+"""runtime -> server: the program went away before the response ended."""
+RELAY_RESPONSE: Final = "response"
+"""server -> runtime: status, headers."""
+RELAY_CHUNK: Final = "chunk"
+"""server -> runtime: data_b64, any number of them."""
+RELAY_END: Final = "end"
+"""server -> runtime: the body is over ("error" set: it broke off)."""
