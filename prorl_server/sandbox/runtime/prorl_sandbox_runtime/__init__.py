@@ -11,3 +11,12 @@ operation names, `wire`, are the server's too).
 Nothing is imported here: the runtime, its Python worker and the judge each load
 only what they run.
 """
+
+import os
+
+FOLDER = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""Where the program is staged (RUNTIME_MOUNT in a container): the entry scripts and this package."""
+RUNTIME_SCRIPT = os.path.join(FOLDER, "prorl_runtime.py")
+"""The runtime's entry script (its Python worker is started as `RUNTIME_SCRIPT python-worker`)."""
+JUDGE_SCRIPT = os.path.join(FOLDER, "prorl_judge.py")
+"""The judging harness's entry script (started under python3 -I, its children too)."""

@@ -11,6 +11,7 @@ the server (runtime/client.py, runtime/socket_gateway.py), so the two ends
 cannot drift apart. Typed, for the server's strict checks, in 3.8's syntax.
 """
 
+import errno
 import json
 import struct
 from typing import Any, Final, Mapping, Optional
@@ -72,6 +73,17 @@ def recv_frame(sock: Any, limit: int = MAX_REQUEST) -> Any:
         return None
     body = recv_exact(sock, frame_size(header, limit))
     return None if body is None else decode_body(body)
+
+
+def errno_of(exc: BaseException) -> Optional[int]:
+    """The errno an answer that failed carries (ERRNO), so the server can tell a sandbox out of
+    pids, memory or disk (the agent's doing) from other failures."""
+    if isinstance(exc, MemoryError):
+        return errno.ENOMEM
+    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+        return errno.EAGAIN
+    number = getattr(exc, "errno", None)
+    return number if isinstance(number, int) else None
 
 
 # --- the words -------------------------------------------------------------------------
