@@ -3,6 +3,7 @@ program staged as a folder the way a sandbox gets it (no Podman)."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
@@ -124,8 +125,8 @@ def test_the_judge_in_isolated_mode_runs_the_staged_package_not_one_earlier_on_s
     try:
         probe = (
             "import runpy, sys; sys.path.insert(0, sys.argv[2]); sys.argv = [sys.argv[1]];"
-            "module = runpy.run_path(sys.argv[0], run_name='probe');"
-            "print(module['wire'].__file__)"
+            "runpy.run_path(sys.argv[0], run_name='probe');"
+            "print(sorted(set(m.__file__ for n, m in sys.modules.items() if n.startswith('prorl_sandbox_runtime'))))"
         )
         result = subprocess.run(
             [sys.executable, "-I", "-B", "-c", probe, str(target / "prorl_judge.py"), str(decoy.parent)],
@@ -136,7 +137,10 @@ def test_the_judge_in_isolated_mode_runs_the_staged_package_not_one_earlier_on_s
             check=False,
         )
         assert result.returncode == 0, result.stderr
-        assert result.stdout.strip() == str(target / "prorl_sandbox_runtime" / "wire.py")
+        loaded = [Path(name) for name in ast.literal_eval(result.stdout.strip())]
+        assert target / "prorl_sandbox_runtime" / "wire.py" in loaded
+        assert target / "prorl_sandbox_runtime" / "pytest_runner.py" in loaded  # the whole harness, at start
+        assert all(path.parent.parent == target for path in loaded), loaded
         no_mode = subprocess.run(
             [sys.executable, "-I", "-B", str(target / "prorl_judge.py")],
             cwd=decoy.parent,
