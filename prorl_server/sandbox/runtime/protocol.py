@@ -162,8 +162,8 @@ class ResetPath:
 @dataclass(frozen=True)
 class ResetRequest:
     """End every process but the sandbox's init and runtime, remove IPC objects and keys,
-    restore `paths`, start the shell, Python and the editor afresh (prorl_runtime.py
-    `reset_runtime`)."""
+    restore `paths`, start the shell, Python and the editor afresh
+    (prorl_sandbox_runtime/reset.py `reset_runtime`)."""
 
     op: ClassVar[Op] = wire.OP_RESET
     paths: tuple[ResetPath, ...]
