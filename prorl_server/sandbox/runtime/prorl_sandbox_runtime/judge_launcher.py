@@ -44,6 +44,35 @@ def run_judge(mode, spec, timeout, cap):
     if mode not in JUDGE_MODES:
         raise ValueError("unknown judge mode %r" % (mode,))
     started = time.monotonic()
+    process, verdict_r = start_harness(mode)
+    writer = feed_spec(process, json.dumps(spec).encode("utf-8"))
+    reading = HarnessOutput(cap)
+    timed_out = reading.read(process, verdict_r, started + timeout)
+    kill_session(process.pid)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    exit_code = process.wait()
+    writer.join(5)
+    process.stdout.close()
+    os.close(verdict_r)
+    text = reading.output.text()
+    if timed_out:
+        text += "\n[judging timed out after %gs; its processes were killed]" % timeout
+    return {
+        "output": text,
+        "truncated": reading.output.truncated,
+        "exit_code": exit_code,
+        "timed_out": timed_out,
+        "verdict": reading.verdict_text(),
+        "verdict_truncated": reading.verdict_truncated,
+        "duration_s": time.monotonic() - started,
+    }
+
+
+def start_harness(mode):
+    """The harness's process and the read end of its verdict pipe (see run_judge)."""
     verdict_r, verdict_w = os.pipe()
     try:
         process = subprocess.Popen(
@@ -61,7 +90,11 @@ def run_judge(mode, spec, timeout, cap):
         raise
     finally:
         os.close(verdict_w)
-    body = json.dumps(spec).encode("utf-8")
+    return process, verdict_r
+
+
+def feed_spec(process, body):
+    """Write the spec to the harness's stdin from a thread (it may read it late, or never)."""
 
     def feed():
         try:
@@ -76,52 +109,46 @@ def run_judge(mode, spec, timeout, cap):
 
     writer = threading.Thread(target=feed, daemon=True)
     writer.start()
-    output = CappedBuffer(cap)
-    verdict = bytearray()
-    verdict_truncated = False
-    log_fd = process.stdout.fileno()
-    open_fds = [log_fd, verdict_r]
-    deadline = started + timeout
-    exited_at = None
-    timed_out = False
-    while open_fds:
-        now = time.monotonic()
-        if now >= deadline:
-            timed_out = process.poll() is None
-            break
-        if exited_at is None and process.poll() is not None:
-            exited_at = now
-        if exited_at is not None and now - exited_at > 1.0:
-            break  # what the harness left behind may hold the log pipe open
-        ready, _, _ = select.select(open_fds, [], [], min(deadline - now, 0.2))
-        for fd in ready:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                open_fds.remove(fd)
-            elif fd == log_fd:
-                output.write(chunk)
-            elif len(verdict) + len(chunk) > MAX_VERDICT:
-                verdict_truncated = True
-            else:
-                verdict += chunk
-    kill_session(process.pid)
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    exit_code = process.wait()
-    writer.join(5)
-    process.stdout.close()
-    os.close(verdict_r)
-    text = output.text()
-    if timed_out:
-        text += "\n[judging timed out after %gs; its processes were killed]" % timeout
-    return {
-        "output": text,
-        "truncated": output.truncated,
-        "exit_code": exit_code,
-        "timed_out": timed_out,
-        "verdict": None if verdict_truncated or not verdict else bytes(verdict).decode("utf-8", "replace"),
-        "verdict_truncated": verdict_truncated,
-        "duration_s": time.monotonic() - started,
-    }
+    return writer
+
+
+class HarnessOutput:
+    """What the harness writes on its two pipes: its log (capped) and its verdict (at most
+    MAX_VERDICT bytes, else none)."""
+
+    def __init__(self, cap):
+        self.output = CappedBuffer(cap)
+        self.verdict = bytearray()
+        self.verdict_truncated = False
+
+    def read(self, process, verdict_r, deadline):
+        """Read both pipes until they close, the harness has exited a second ago (what it left
+        behind may hold the log pipe open), or the deadline; True when the deadline came first."""
+        log_fd = process.stdout.fileno()
+        open_fds = [log_fd, verdict_r]
+        exited_at = None
+        while open_fds:
+            now = time.monotonic()
+            if now >= deadline:
+                return process.poll() is None
+            if exited_at is None and process.poll() is not None:
+                exited_at = now
+            if exited_at is not None and now - exited_at > 1.0:
+                return False
+            ready, _, _ = select.select(open_fds, [], [], min(deadline - now, 0.2))
+            for fd in ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    open_fds.remove(fd)
+                elif fd == log_fd:
+                    self.output.write(chunk)
+                elif len(self.verdict) + len(chunk) > MAX_VERDICT:
+                    self.verdict_truncated = True
+                else:
+                    self.verdict += chunk
+        return False
+
+    def verdict_text(self):
+        if self.verdict_truncated or not self.verdict:
+            return None
+        return bytes(self.verdict).decode("utf-8", "replace")
