@@ -335,6 +335,8 @@ class Gateway:
                 return None
 
     def relay_response(self, sock, exchange, number, method, version, keep, api="openai"):
+        """Write the server's response to exchange `number` to the program; whether its
+        connection may carry another request."""
         frame = self.next_frame(sock, exchange, number)
         if frame is None:
             return False
@@ -345,39 +347,12 @@ class Gateway:
                 self.cancel(number)
                 _send_error(sock, 502, "the server sent a malformed response", api)
             return False
-        lines = []
-        lengths = set()
-        for pair in frame.get("headers") or []:
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                continue
-            name, value = str(pair[0]), str(pair[1])
-            if not HTTP_TOKEN.fullmatch(name):
-                continue
-            if name.lower() == "content-length":
-                lengths.add(value.strip())
-            if name.lower() not in HOP_BY_HOP:
-                lines.append("%s: %s\r\n" % (name, UNSAFE_TEXT.sub(" ", value)))
-        length = int(next(iter(lengths))) if len(lengths) == 1 and DIGITS.fullmatch(next(iter(lengths))) else None
-        if method == "HEAD" or status in (204, 304):
-            mode = "none"
-        elif length is not None:
-            mode = "length"
-        elif version == "HTTP/1.1":
-            mode = "chunked"
-        else:
-            mode, keep = "close", False
-        if length is not None and mode in ("length", "none") and status not in (204, 304):
-            lines.append("Content-Length: %d\r\n" % length)
-        if mode == "chunked":
-            lines.append("Transfer-Encoding: chunked\r\n")
-        if not keep:
-            lines.append("Connection: close\r\n")
-        head = "HTTP/1.1 %d %s\r\n%s\r\n" % (status, _reason(status), "".join(lines))
+        head, mode, length, keep = response_head(frame, status, method, version, keep)
         ended = False
         # What is written is gathered while more of it has already arrived, and sent as soon
         # as nothing more is there: a piece never waits for the next one, and a whole
         # response that came at once goes out in one write.
-        pending = [head.encode("latin-1", "replace")]
+        pending = [head]
         try:
             if mode == "none":  # no body to send: the server need not produce it
                 sock.sendall(pending[0])
@@ -418,6 +393,43 @@ class Gateway:
             if not ended:
                 self.cancel(number)
             return False
+
+
+def response_head(frame, status, method, version, keep):
+    """The status line and headers the program gets for a `response` frame, and how its body
+    is delimited: (head bytes, mode, Content-Length or None, keep-alive). Mode: "none" (HEAD,
+    204, 304), "length" (one Content-Length the server gave), "chunked" (HTTP/1.1), else
+    "close" (the end of the body is the end of the connection). Headers that are not tokens
+    and hop-by-hop headers are dropped; control characters in values become spaces."""
+    lines = []
+    lengths = set()
+    for pair in frame.get("headers") or []:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            continue
+        name, value = str(pair[0]), str(pair[1])
+        if not HTTP_TOKEN.fullmatch(name):
+            continue
+        if name.lower() == "content-length":
+            lengths.add(value.strip())
+        if name.lower() not in HOP_BY_HOP:
+            lines.append("%s: %s\r\n" % (name, UNSAFE_TEXT.sub(" ", value)))
+    length = int(next(iter(lengths))) if len(lengths) == 1 and DIGITS.fullmatch(next(iter(lengths))) else None
+    if method == "HEAD" or status in (204, 304):
+        mode = "none"
+    elif length is not None:
+        mode = "length"
+    elif version == "HTTP/1.1":
+        mode = "chunked"
+    else:
+        mode, keep = "close", False
+    if length is not None and mode in ("length", "none") and status not in (204, 304):
+        lines.append("Content-Length: %d\r\n" % length)
+    if mode == "chunked":
+        lines.append("Transfer-Encoding: chunked\r\n")
+    if not keep:
+        lines.append("Connection: close\r\n")
+    head = "HTTP/1.1 %d %s\r\n%s\r\n" % (status, _reason(status), "".join(lines))
+    return head.encode("latin-1", "replace"), mode, length, keep
 
 
 def serve_gateway(conn, send_lock, request):
