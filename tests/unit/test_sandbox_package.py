@@ -76,10 +76,12 @@ def test_the_reporters_fingerprint_covers_the_package_modules_it_calls(monkeypat
     before = pytest_runner._fingerprint(Reporter)
     for key in (
         f"{PACKAGE}.repo_files.file_digest",
-        f"{PACKAGE}.runner_guards._changed",
+        f"{PACKAGE}.runner_guards.changed_keys",
         "reporter.pytest_runtest_logreport",
     ):
         assert key in before
-    assert runner_guards._changed(before, pytest_runner._fingerprint(Reporter)) == []
+    assert runner_guards.changed_keys(before, pytest_runner._fingerprint(Reporter)) == []
     monkeypatch.setattr(repo_files, "file_digest", lambda path: "the task's digest")
-    assert runner_guards._changed(before, pytest_runner._fingerprint(Reporter)) == [f"{PACKAGE}.repo_files.file_digest"]
+    assert runner_guards.changed_keys(before, pytest_runner._fingerprint(Reporter)) == [
+        f"{PACKAGE}.repo_files.file_digest"
+    ]

@@ -38,7 +38,7 @@ def candidate_worker(fd_in, fd_out):
         if not callable(function):
             raise NameError("the submission defines no function %r" % setup["entry_point"])
     except BaseException as exc:
-        write_all(fd_out, encode_frame({"load_error": _format_exception(exc)}))
+        write_all(fd_out, encode_frame({"load_error": describe_exception(exc)}))
         return
     write_all(fd_out, encode_frame({"ready": True}))
     while True:
@@ -71,6 +71,6 @@ def candidate_worker(fd_in, fd_out):
             return
 
 
-def _format_exception(exc):
+def describe_exception(exc):
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return text[-ERROR_CHARS:]

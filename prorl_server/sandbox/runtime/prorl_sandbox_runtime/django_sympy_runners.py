@@ -26,12 +26,12 @@ import traceback
 
 from .judge_processes import harden
 from .runner_guards import (
-    _PRELOAD_STDLIB,
-    _changed,
-    _Provenance,
-    _same_code,
+    PRELOAD_STDLIB,
+    Provenance,
+    changed_keys,
     guard_tracing,
     own_modules,
+    same_code,
     tracing_guarded,
 )
 from .wire import HEADER
@@ -135,7 +135,7 @@ def django_runner(report_fd, args):
     import unittest.result
     import unittest.suite
 
-    for name in _PRELOAD_STDLIB + ("unittest.mock", "runpy", "argparse", "multiprocessing"):
+    for name in PRELOAD_STDLIB + ("unittest.mock", "runpy", "argparse", "multiprocessing"):
         try:
             __import__(name)
         except Exception:
@@ -208,10 +208,10 @@ def django_runner(report_fd, args):
     modules = [sys.modules[name] for name in _UNITTEST_MODULES if name in sys.modules] + own_modules()
     baseline = _identity_fingerprint([], modules)
     reported = set()
-    guards = guard_tracing(_Provenance(os.getcwd(), channel.briefing.get("digests") or {}), channel.tampered)
+    guards = guard_tracing(Provenance(os.getcwd(), channel.briefing.get("digests") or {}), channel.tampered)
 
     def check():
-        changed = _changed(baseline, _identity_fingerprint([], modules))
+        changed = changed_keys(baseline, _identity_fingerprint([], modules))
         if changed and tuple(changed) not in reported:
             reported.add(tuple(changed))
             send({"kind": "tampered", "names": changed[:50]})
@@ -299,7 +299,7 @@ def sympy_runner(report_fd, args):
                 code = getattr(value, "__code__", None)
                 if code is not None:
                     want = reference.get("%s.%s" % (cls.__name__, member))
-                    if want is None or not _same_code(code, want):
+                    if want is None or not same_code(code, want):
                         differ.append("%s.%s" % (cls.__name__, member))
         if differ:
             send({"kind": "tampered", "names": differ[:50]})
@@ -337,14 +337,14 @@ def sympy_runner(report_fd, args):
         setattr(reporter, method, reporting)
 
     reported = set()
-    guards = guard_tracing(_Provenance(repo, channel.briefing.get("digests") or {}), channel.tampered)
+    guards = guard_tracing(Provenance(repo, channel.briefing.get("digests") or {}), channel.tampered)
 
     def check():
         if not tracing_guarded(guards):
             channel.tampered("the runner's guard on trace functions removed")
         if state["baseline"] is None:
             return
-        changed = _changed(state["baseline"], _identity_fingerprint(state["classes"], state["modules"]))
+        changed = changed_keys(state["baseline"], _identity_fingerprint(state["classes"], state["modules"]))
         if changed and tuple(changed) not in reported:
             reported.add(tuple(changed))
             send({"kind": "tampered", "names": changed[:50]})

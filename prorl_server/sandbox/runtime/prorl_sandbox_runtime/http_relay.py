@@ -30,12 +30,12 @@ from .http_request import (
     HTTP_TOKEN,
     UNSAFE_TEXT,
     HttpError,
-    _api_of,
-    _cloexec,
-    _peer_gone,
-    _reason,
-    _send_error,
+    api_of,
+    peer_gone,
     read_http_request,
+    reason_phrase,
+    send_error,
+    set_cloexec,
 )
 from .wire import HEADER, encode_frame, errno_of, recv_frame
 
@@ -102,8 +102,8 @@ class Gateway:
         self.closed = False
         self.acceptor = None
         self.wake_r, self.wake_w = os.pipe()
-        _cloexec(self.wake_r)
-        _cloexec(self.wake_w)
+        set_cloexec(self.wake_r)
+        set_cloexec(self.wake_w)
 
     # --- listening
 
@@ -136,7 +136,7 @@ class Gateway:
         except (OSError, AttributeError):
             pass  # no IPv6 here, or its port is taken: IPv4 only
         for item in self.listeners:
-            _cloexec(item.fileno())
+            set_cloexec(item.fileno())
             item.setblocking(False)  # accept never blocks the loop that also waits for close
         return bound, hosts
 
@@ -161,7 +161,7 @@ class Gateway:
                     except OSError:  # out of fds: breathe, go on
                         time.sleep(0.05)
                         continue
-                    _cloexec(client.fileno())
+                    set_cloexec(client.fileno())
                     try:
                         threading.Thread(target=self.serve_client, args=(client,), daemon=True).start()
                     except RuntimeError:  # no thread to be had: refuse this connection
@@ -292,7 +292,7 @@ class Gateway:
         try:
             request = read_http_request(reader, sock, self.max_body)
         except HttpError as exc:
-            _send_error(sock, exc.status, exc.message, exc.api)
+            send_error(sock, exc.status, exc.message, exc.api)
             return False
         except (OSError, ValueError):  # reset, timed out, closed under it
             return False
@@ -307,7 +307,7 @@ class Gateway:
                 number = self.counter
                 exchange = self.exchanges[number] = GatewayExchange()
         if exchange is None:
-            _send_error(sock, 503, "the gateway is closed", _api_of(path))
+            send_error(sock, 503, "the gateway is closed", api_of(path))
             return False
         try:
             message = {
@@ -319,7 +319,7 @@ class Gateway:
             }
             self.send(message, body)
             del request, body
-            return self.relay_response(sock, exchange, number, method, version, keep, _api_of(path))
+            return self.relay_response(sock, exchange, number, method, version, keep, api_of(path))
         finally:
             self.forget(number)
 
@@ -330,7 +330,7 @@ class Gateway:
             frame = exchange.get(GATEWAY_POLL_S)
             if frame is not None:
                 return frame
-            if _peer_gone(sock):
+            if peer_gone(sock):
                 self.cancel(number)
                 return None
 
@@ -345,7 +345,7 @@ class Gateway:
         if kind != wire.RELAY_RESPONSE or not isinstance(status, int) or not 200 <= status <= 599:
             if kind == wire.RELAY_RESPONSE or kind not in ("closed", "overflow"):
                 self.cancel(number)
-                _send_error(sock, 502, "the server sent a malformed response", api)
+                send_error(sock, 502, "the server sent a malformed response", api)
             return False
         head, mode, length, keep = response_head(frame, status, method, version, keep)
         ended = False
@@ -428,7 +428,7 @@ def response_head(frame, status, method, version, keep):
         lines.append("Transfer-Encoding: chunked\r\n")
     if not keep:
         lines.append("Connection: close\r\n")
-    head = "HTTP/1.1 %d %s\r\n%s\r\n" % (status, _reason(status), "".join(lines))
+    head = "HTTP/1.1 %d %s\r\n%s\r\n" % (status, reason_phrase(status), "".join(lines))
     return head.encode("latin-1", "replace"), mode, length, keep
 
 

@@ -29,7 +29,7 @@ UNSAFE_TEXT = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 class HttpError(Exception):
     """A request the gateway refuses: answered with `status`, then the connection is closed;
-    in the error format of the request's API (`api`: see _api_of)."""
+    in the error format of the request's API (`api`: see api_of)."""
 
     def __init__(self, status, message, api="openai"):
         Exception.__init__(self, message)
@@ -43,7 +43,7 @@ ANTHROPIC_PATHS = ("/v1/messages", "/messages", "/v1/messages/count_tokens", "/m
 GOOGLE_PATH = re.compile(r"/(?:v1beta|v1alpha|v1)?/?models/[^/:]+:[A-Za-z]+|/(?:v1beta|v1alpha)/models(?:/[^/:]+)?")
 
 
-def _api_of(path):
+def api_of(path):
     """Whose error format a request's path speaks: "anthropic", "google" or "openai"."""
     path = (path or "").split("?", 1)[0].rstrip("/")
     if path in ANTHROPIC_PATHS:
@@ -58,14 +58,14 @@ def _too_large(max_body, path):
         "the request body is larger than %d bytes, the most this gateway takes per call "
         "(setting gateway.max_request_bytes): send a shorter conversation" % max_body
     )
-    return HttpError(413, message, _api_of(path))
+    return HttpError(413, message, api_of(path))
 
 
-def _cloexec(fd):
+def set_cloexec(fd):
     fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
 
 
-def _reason(status):
+def reason_phrase(status):
     try:
         return http.HTTPStatus(status).phrase
     except ValueError:
@@ -78,7 +78,7 @@ def _readable(fd, timeout_ms):
     return bool(poller.poll(timeout_ms))
 
 
-def _peer_gone(sock):
+def peer_gone(sock):
     """Whether the program closed (or reset) its end of `sock`; data it sent is left unread."""
     try:
         if not _readable(sock.fileno(), 0):
@@ -102,11 +102,11 @@ def _error_body(status, message, api):
     return {"error": {"message": message, "type": "gateway_error"}}
 
 
-def _send_error(sock, status, message, api="openai"):
+def send_error(sock, status, message, api="openai"):
     body = json.dumps(_error_body(status, message, api)).encode("utf-8")
     head = "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (
         status,
-        _reason(status),
+        reason_phrase(status),
         len(body),
     )
     try:
@@ -191,7 +191,7 @@ def read_http_request(reader, sock, max_body=GATEWAY_MAX_BODY):
     try:
         return _read_rest(reader, sock, max_body, method, path, version)
     except HttpError as exc:  # refused in the format of the API the path names
-        exc.api = _api_of(path)
+        exc.api = api_of(path)
         raise
 
 

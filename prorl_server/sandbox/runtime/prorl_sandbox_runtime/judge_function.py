@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from . import JUDGE_SCRIPT
-from .candidate import _format_exception
+from .candidate import describe_exception
 from .judge_processes import ERROR_CHARS, clean_env, kill_descendants, kill_group
 from .pipe_frames import FrameReader, ProtocolError, Timeout, write_all
 from .plain_data import NotPlainData, decode_plain, encode_plain
@@ -189,7 +189,7 @@ def judge_function(spec):
     except CandidateBroken as exc:
         verdict.update(reason=str(exc))
     except BaseException as exc:
-        verdict.update(reason="check() raised %s" % type(exc).__name__, error=_format_exception(exc))
+        verdict.update(reason="check() raised %s" % type(exc).__name__, error=describe_exception(exc))
         if proxy.broken is not None:
             verdict["reason"] = proxy.broken
     finally:

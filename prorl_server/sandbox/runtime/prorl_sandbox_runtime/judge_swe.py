@@ -9,9 +9,9 @@ import tempfile
 
 from .pytest_run import run_pytest
 from .repo_files import (
-    _capped_list,
     applies_at_base,
     apply_patch,
+    capped_list,
     file_digests,
     files_changed,
     git,
@@ -77,11 +77,11 @@ def _judge_swe(spec, workdir):
 
     verdict["stage"] = "restore"
     restored, deleted, still = restore_protected(repo, base, protected, untracked_before)
-    verdict.update(restored=_capped_list(restored), deleted=_capped_list(deleted))
+    verdict.update(restored=capped_list(restored), deleted=capped_list(deleted))
     if restored or deleted:
         say("restored to %s: %s\ndeleted: %s" % (base[:12], restored, deleted))
     if still:
-        verdict.update(ok=False, output="cannot restore: %s" % _capped_list(still, 20))
+        verdict.update(ok=False, output="cannot restore: %s" % capped_list(still, 20))
         return verdict
     verdict["stage"] = "test_patch"
     if test_patch_file is not None:

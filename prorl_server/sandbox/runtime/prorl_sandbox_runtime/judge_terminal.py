@@ -18,7 +18,7 @@ import tempfile
 
 from .judge_processes import ERROR_CHARS
 from .pytest_run import run_pytest
-from .repo_files import _capped_list, file_digest, say
+from .repo_files import capped_list, file_digest, say
 
 
 def clear_dir(path):
@@ -121,10 +121,10 @@ def _judge_terminal(spec, scratch):
             os.makedirs(app)
         left = clear_dir(app)
         if left:
-            say("could not empty the working directory: %s" % _capped_list(left, 20))
+            say("could not empty the working directory: %s" % capped_list(left, 20))
         if archive:
             written, skipped = unpack_state(archive, app)
-            verdict["skipped"] = _capped_list(skipped, 50)
+            verdict["skipped"] = capped_list(skipped, 50)
             say("unpacked %d entries of the agent's working directory into %s" % (written, app))
             os.unlink(archive)
     except Exception as exc:  # a broken archive is the agent's doing (it made the files)
@@ -138,7 +138,7 @@ def _judge_terminal(spec, scratch):
         if os.path.isdir(tests_dir):
             left = clear_dir(tests_dir)
             if left:
-                raise OSError("cannot empty %s: %s" % (tests_dir, _capped_list(left, 20)))
+                raise OSError("cannot empty %s: %s" % (tests_dir, capped_list(left, 20)))
         else:
             os.makedirs(tests_dir)
         for name, encoded in sorted(dict(spec.get("tests") or {}).items()):
@@ -178,6 +178,6 @@ def _judge_terminal(spec, scratch):
     ]
     if changed:
         verdict["anomalies"] = list(verdict.get("anomalies") or []) + [
-            "the tests' files changed during the run: %s" % ", ".join(_capped_list(changed, 20))
+            "the tests' files changed during the run: %s" % ", ".join(capped_list(changed, 20))
         ]
     return verdict

@@ -12,14 +12,14 @@ import sys
 from .judge_processes import harden
 from .repo_files import file_digest
 from .runner_guards import (
-    _PRELOAD_STDLIB,
-    _changed,
-    _codes,
-    _Provenance,
-    _pytest_own,
-    _same_code,
+    PRELOAD_STDLIB,
+    Provenance,
+    changed_keys,
     guard_tracing,
+    nested_codes,
     own_modules,
+    pytest_own,
+    same_code,
     tracing_guarded,
 )
 from .wire import HEADER
@@ -47,7 +47,7 @@ def _preload():
             importlib.import_module(info.name)
         except Exception:
             pass
-    for name in _PRELOAD + _PRELOAD_STDLIB:
+    for name in _PRELOAD + PRELOAD_STDLIB:
         try:
             importlib.import_module(name)
         except Exception:
@@ -108,10 +108,10 @@ def pytest_runner(report_fd, paths, args, pycache="", cwd_on_path=True):
     write, dumps, pack = os.write, json.dumps, HEADER.pack
     repo = os.getcwd()
     digests = dict((str(path), value) for path, value in dict(briefing.get("digests") or {}).items())
-    provenance = _Provenance(repo, digests)
+    provenance = Provenance(repo, digests)
     getframe = sys._getframe
 
-    own_codes = frozenset(_codes(pytest_runner.__code__))
+    own_codes = frozenset(nested_codes(pytest_runner.__code__))
 
     def send(message):
         if getframe(1).f_code not in own_codes:  # called by the code under test
@@ -147,7 +147,7 @@ def pytest_runner(report_fd, paths, args, pycache="", cwd_on_path=True):
         if want is not None and not (first == want and file_digest(str(fn)) == want):
             tampered("the test file %s was not the task's when pytest read it" % relative)
         try:
-            compiled[os.path.realpath(str(fn))] = _codes(result[1])
+            compiled[os.path.realpath(str(fn))] = nested_codes(result[1])
         except Exception:
             pass
         return result
@@ -223,11 +223,11 @@ def pytest_runner(report_fd, paths, args, pycache="", cwd_on_path=True):
             if references is None:
                 try:
                     with open(code.co_filename, "rb") as handle:
-                        references = _codes(compile(handle.read(), code.co_filename, "exec", dont_inherit=True))
+                        references = nested_codes(compile(handle.read(), code.co_filename, "exec", dont_inherit=True))
                 except (OSError, SyntaxError, ValueError):
                     references = []
                 compiled[os.path.realpath(code.co_filename)] = references
-            if not any(code is ref or _same_code(code, ref) for ref in references):
+            if not any(code is ref or same_code(code, ref) for ref in references):
                 return "%s is not the function its test file defines" % item.nodeid
         return None
 
@@ -246,8 +246,8 @@ def pytest_runner(report_fd, paths, args, pycache="", cwd_on_path=True):
             # only pytest's own replacements are accepted.
             now = _fingerprint(Reporter)
             foreign = [
-                key for key in _changed(baseline, now)
-                if key not in now or not (_pytest_own(now[key][0]) or provenance.installed(now[key][0]))
+                key for key in changed_keys(baseline, now)
+                if key not in now or not (pytest_own(now[key][0]) or provenance.installed(now[key][0]))
             ]  # fmt: skip
             if foreign:
                 send({"kind": "tampered", "names": foreign[:50]})
@@ -296,7 +296,7 @@ def pytest_runner(report_fd, paths, args, pycache="", cwd_on_path=True):
     reported = set()
 
     def check():
-        changed = _changed(baseline, _fingerprint(Reporter))
+        changed = changed_keys(baseline, _fingerprint(Reporter))
         if changed and tuple(changed) not in reported:
             reported.add(tuple(changed))
             send({"kind": "tampered", "names": changed[:50]})

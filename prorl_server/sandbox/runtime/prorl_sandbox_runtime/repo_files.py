@@ -155,7 +155,7 @@ def say(text):
         pass
 
 
-def _capped_list(paths, limit=200):
+def capped_list(paths, limit=200):
     return paths[:limit] + (["... and %d more" % (len(paths) - limit)] if len(paths) > limit else [])
 
 
@@ -229,4 +229,4 @@ def files_changed(repo, protected, before):
                 changed.append("%s (%s)" % (path, "deleted" if now is None else "rewritten"))
     if not changed:
         return []
-    return ["the tests' files changed during the run: %s" % ", ".join(_capped_list(changed, 20))]
+    return ["the tests' files changed during the run: %s" % ", ".join(capped_list(changed, 20))]

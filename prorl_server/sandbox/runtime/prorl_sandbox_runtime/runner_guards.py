@@ -7,10 +7,10 @@ every fingerprint covers.
 import os
 import sys
 
-_PRELOAD_STDLIB = ("doctest", "pdb", "unittest", "faulthandler", "inspect", "warnings", "tempfile", "shutil")
+PRELOAD_STDLIB = ("doctest", "pdb", "unittest", "faulthandler", "inspect", "warnings", "tempfile", "shutil")
 
 
-def _changed(before, after):
+def changed_keys(before, after):
     changed = []
     for key, (value, code) in before.items():
         now = after.get(key)
@@ -26,11 +26,11 @@ def _origin(value):
     return module if isinstance(module, str) else ""
 
 
-def _pytest_own(value):
+def pytest_own(value):
     return _origin(value).split(".")[0] in ("_pytest", "pytest", "pluggy")
 
 
-class _Provenance(object):
+class Provenance(object):
     """Where code comes from, as the runner sees it: pytest's and pluggy's own, the
     standard library's, a file of the repository the harness put in place (a test
     file, a conftest.py: `trusted`), or the repository's other files (the code under
@@ -126,7 +126,7 @@ def tracing_guarded(guards):
     return sys.settrace is guards[0] and threading.settrace is guards[1]
 
 
-def _codes(code):
+def nested_codes(code):
     """Every code object in a compiled module."""
     found, stack = [], [code]
     while stack:
@@ -136,7 +136,7 @@ def _codes(code):
     return found
 
 
-def _same_code(a, b):
+def same_code(a, b):
     return a.co_code == b.co_code and a.co_names == b.co_names and a.co_varnames == b.co_varnames
 
 
