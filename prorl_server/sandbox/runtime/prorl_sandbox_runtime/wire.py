@@ -8,26 +8,30 @@ by "gw" and say what they are by "type" (see RELAY_*).
 
 Imported by the in-sandbox runtime and judge (python3 3.8+, stdlib only) and by
 the server (runtime/client.py, runtime/socket_gateway.py), so the two ends
-cannot drift apart. Typed, for the server's strict checks, in 3.8's syntax.
+cannot drift apart. Typed for the server's strict checks, in syntax and imports that
+3.5 still loads: the judge's runner children run on a SWE-bench testbed's own Python.
 """
 
 import errno
 import json
 import struct
-from typing import Any, Final, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-HEADER: Final = struct.Struct(">Q")
+if TYPE_CHECKING:  # typing.Final is 3.8+: the runner children may run on a testbed's older Python
+    from typing import Final  # noqa: F401
+
+HEADER = struct.Struct(">Q")  # type: Final
 """The length prefix of every frame."""
 
-MAX_REQUEST: Final = 1 << 30
+MAX_REQUEST = 1 << 30  # type: Final
 """The largest frame the runtime reads from the server (a write_file of up to 768 MiB)."""
-MAX_REPLY: Final = 2 << 30
+MAX_REPLY = 2 << 30  # type: Final
 """The largest answer the server reads from the runtime: a whole file of read_file's own
 limit (1 GiB), base64-encoded."""
-MAX_RELAY: Final = 256 << 20
+MAX_RELAY = 256 << 20  # type: Final
 """The largest HTTP relay frame the server reads (the runtime caps a request body at 64 MiB;
 base64 and headers come on top)."""
-MAX_PIPE: Final = 64 << 20
+MAX_PIPE = 64 << 20  # type: Final
 """The largest frame the judge reads from its children's pipes."""
 
 
@@ -89,40 +93,40 @@ def errno_of(exc: BaseException) -> Optional[int]:
 # --- the words -------------------------------------------------------------------------
 
 # Fields every request and answer carries.
-ID: Final = "id"
-OP: Final = "op"
-OK: Final = "ok"
-ERROR: Final = "error"
-ERRNO: Final = "errno"
+ID = "id"  # type: Final
+OP = "op"  # type: Final
+OK = "ok"  # type: Final
+ERROR = "error"  # type: Final
+ERRNO = "errno"  # type: Final
 
 # Operations: what `op` names. `gateway` turns its connection into an HTTP relay channel.
-OP_HEALTH: Final = "health"
-OP_BASH: Final = "bash"
-OP_PYTHON: Final = "python"
-OP_EDIT: Final = "edit"
-OP_READ_FILE: Final = "read_file"
-OP_WRITE_FILE: Final = "write_file"
-OP_LIST_DIR: Final = "list_dir"
-OP_RESET: Final = "reset"
-OP_JUDGE: Final = "judge"
-OP_GATEWAY: Final = "gateway"
+OP_HEALTH = "health"  # type: Final
+OP_BASH = "bash"  # type: Final
+OP_PYTHON = "python"  # type: Final
+OP_EDIT = "edit"  # type: Final
+OP_READ_FILE = "read_file"  # type: Final
+OP_WRITE_FILE = "write_file"  # type: Final
+OP_LIST_DIR = "list_dir"  # type: Final
+OP_RESET = "reset"  # type: Final
+OP_JUDGE = "judge"  # type: Final
+OP_GATEWAY = "gateway"  # type: Final
 OPS = (OP_HEALTH, OP_BASH, OP_PYTHON, OP_EDIT, OP_READ_FILE, OP_WRITE_FILE, OP_LIST_DIR, OP_RESET, OP_JUDGE)
 """The operations of a runtime connection (OP_GATEWAY, the relay's opening, aside)."""
 
 # Fields of a request the runtime reads whatever its op.
-TIMEOUT_S: Final = "timeout_s"
-MAX_OUTPUT_BYTES: Final = "max_output_bytes"
+TIMEOUT_S = "timeout_s"  # type: Final
+MAX_OUTPUT_BYTES = "max_output_bytes"  # type: Final
 
 # The HTTP relay: every frame names its exchange by GW and says what it is by TYPE.
-GW: Final = "gw"
-TYPE: Final = "type"
-RELAY_REQUEST: Final = "request"
+GW = "gw"  # type: Final
+TYPE = "type"  # type: Final
+RELAY_REQUEST = "request"  # type: Final
 """runtime -> server: method, path, headers [[name, value], ...], body_b64."""
-RELAY_CANCEL: Final = "cancel"
+RELAY_CANCEL = "cancel"  # type: Final
 """runtime -> server: the program went away before the response ended."""
-RELAY_RESPONSE: Final = "response"
+RELAY_RESPONSE = "response"  # type: Final
 """server -> runtime: status, headers."""
-RELAY_CHUNK: Final = "chunk"
+RELAY_CHUNK = "chunk"  # type: Final
 """server -> runtime: data_b64, any number of them."""
-RELAY_END: Final = "end"
+RELAY_END = "end"  # type: Final
 """server -> runtime: the body is over ("error" set: it broke off)."""
