@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from aiohttp import web
 
-from prorl_server.sandbox.runtime.prorl_runtime import HOP_BY_HOP
+from prorl_server.sandbox.runtime.prorl_sandbox_runtime.http_request import HOP_BY_HOP
 from prorl_server.sandbox.runtime.relay import GatewayHandler, HttpRequest, HttpResponse
 
 MAX_BODY_BYTES = 64 * 1024 * 1024

@@ -1,5 +1,6 @@
 """A sandbox provider without Podman: each sandbox is a temporary folder on this host
-served by the REAL in-sandbox runtime (prorl_server/sandbox/runtime/prorl_runtime.py)
+served by the REAL in-sandbox runtime (prorl_server/sandbox/runtime/prorl_runtime.py and
+its package, staged read-only into the sandbox's folder as the Podman provider stages them)
 in a local process, wrapped in the same `Sandbox` class the Podman provider returns.
 
 What is real: the runtime and its wire protocol (bash on a pty, persistent Python,
@@ -48,6 +49,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from prorl_server.errors import SandboxError
+from prorl_server.sandbox import runtime as program
 from prorl_server.sandbox.base import (
     LABEL_MANAGED,
     LABEL_SERVER,
@@ -124,9 +126,16 @@ def kill_tree(root: int) -> None:
         _signal(pid, signal.SIGKILL)
 
 
+def _make_writable(folder: Path) -> None:
+    """Give a read-only staged program's folders back their write bit, so they can be removed."""
+    for path in (folder / program.PACKAGE_DIR.name, folder):
+        if path.is_dir() and not path.is_symlink():
+            path.chmod(0o755)
+
+
 class FakeContainer(ContainerHandle):
-    """A local runtime process and its folder: `<folder>/rt.sock`, `<folder>/work`, and
-    `<folder>/tmp`, its TMPDIR."""
+    """A local runtime process and its folder: `<folder>/rt.sock`, `<folder>/work`,
+    `<folder>/tmp`, its TMPDIR, and `<folder>/program`, the in-sandbox program (read-only)."""
 
     def __init__(
         self, provider: FakeSandboxProvider, name: str, folder: Path, spec: SandboxSpec, workdir: Path | None = None
@@ -161,6 +170,11 @@ class FakeContainer(ContainerHandle):
         return self.folder / "rt.sock"
 
     @property
+    def program(self) -> Path:
+        """The in-sandbox program's folder (the two entry scripts and their package)."""
+        return self.folder / "program"
+
+    @property
     def log_path(self) -> Path:
         return self.folder / "runtime.log"
 
@@ -168,9 +182,10 @@ class FakeContainer(ContainerHandle):
         """Start the runtime and wait until its socket accepts."""
         scratch = self.folder / "tmp"  # the runtime's scratch files and the agent's TMPDIR
         scratch.mkdir(exist_ok=True)
+        await asyncio.to_thread(program.stage, self.program, read_only=True)
         with self.log_path.open("wb") as log:
             self.process = await asyncio.create_subprocess_exec(
-                python, "-c", BOOTSTRAP, str(RUNTIME_FILE), "serve",
+                python, "-c", BOOTSTRAP, str(self.program / RUNTIME_FILE.name), "serve",
                 "--socket", str(self.socket_path), "--workdir", str(self.workdir),
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
                 cwd=self.workdir, env={**os.environ, "TMPDIR": str(scratch)}, start_new_session=True,
@@ -208,6 +223,7 @@ class FakeContainer(ContainerHandle):
                 if process.returncode is None:
                     await asyncio.to_thread(kill_tree, process.pid)
                 await process.wait()
+            await asyncio.to_thread(_make_writable, self.program)
             await asyncio.to_thread(shutil.rmtree, self.folder, ignore_errors=True)
             if self._provider.holds_fixed_workdir(self):
                 await asyncio.to_thread(shutil.rmtree, self.workdir, ignore_errors=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -11,16 +11,10 @@ from typing import Any
 
 import pytest
 
-from prorl_server.sandbox.runtime import RUNTIME_FILE
-
 
 @pytest.fixture(scope="module")
 def runtime() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("prorl_runtime_under_test", RUNTIME_FILE)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("prorl_server.sandbox.runtime.prorl_sandbox_runtime.bash")
 
 
 @pytest.fixture

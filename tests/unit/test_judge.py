@@ -1,5 +1,5 @@
-"""The judging harness's pure parts (sandbox/runtime/prorl_judge.py): the
-plain-data codec, the test-infrastructure matcher, reading the reporter's
+"""The judging harness's pure parts (the modules of sandbox/runtime/prorl_sandbox_runtime that
+prorl_judge.py runs): the plain-data codec, the test-infrastructure matcher, reading the reporter's
 outcome stream, and the server's reading of a harness run."""
 
 from __future__ import annotations
@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 
-from prorl_server.sandbox.runtime import prorl_judge as judge
+from prorl_server.sandbox.runtime.prorl_sandbox_runtime import (
+    judge_function,
+    plain_data,
+    pytest_run,
+    repo_files,
+    swebench_commands,
+)
 from prorl_server.sandbox.runtime.protocol import JudgeResponse
 from prorl_server.sandbox.sandbox import judge_result
 
@@ -39,14 +45,14 @@ PLAIN_VALUES: list[Any] = [
 
 @pytest.mark.parametrize("value", PLAIN_VALUES, ids=lambda v: type(v).__name__)
 def test_plain_data_round_trips_exactly(value: Any) -> None:
-    wire = json.loads(json.dumps(judge.encode_plain(value)))
-    decoded = judge.decode_plain(wire)
+    wire = json.loads(json.dumps(plain_data.encode_plain(value)))
+    decoded = plain_data.decode_plain(wire)
     assert decoded == value and type(decoded) is type(value)
 
 
 def test_floats_keep_nan_and_the_sign_of_zero() -> None:
-    assert math.isnan(judge.decode_plain(judge.encode_plain(math.nan)))
-    assert math.copysign(1, judge.decode_plain(judge.encode_plain(-0.0))) == -1
+    assert math.isnan(plain_data.decode_plain(plain_data.encode_plain(math.nan)))
+    assert math.copysign(1, plain_data.decode_plain(plain_data.encode_plain(-0.0))) == -1
 
 
 class AlwaysEqual:
@@ -79,8 +85,8 @@ def _cycle() -> list[Any]:
     ids=["always-equal", "int-subclass", "list-subclass", "nested", "dict-value", "cycle", "function", "iterator"],
 )
 def test_anything_but_exact_builtin_data_is_refused(value: Any) -> None:
-    with pytest.raises(judge.NotPlainData):
-        judge.encode_plain(value)
+    with pytest.raises(plain_data.NotPlainData):
+        plain_data.encode_plain(value)
 
 
 @pytest.mark.parametrize(
@@ -103,25 +109,28 @@ def test_anything_but_exact_builtin_data_is_refused(value: Any) -> None:
     ],
 )
 def test_decoding_trusts_nothing(wire: Any) -> None:
-    with pytest.raises(judge.NotPlainData):
-        judge.decode_plain(wire)
+    with pytest.raises(plain_data.NotPlainData):
+        plain_data.decode_plain(wire)
 
 
 def test_decoding_refuses_deep_nesting() -> None:
     wire: Any = ["none"]
-    for _ in range(judge.MAX_DEPTH + 5):
+    for _ in range(plain_data.MAX_DEPTH + 5):
         wire = ["list", [wire]]
-    with pytest.raises(judge.NotPlainData, match="deeper"):
-        judge.decode_plain(wire)
+    with pytest.raises(plain_data.NotPlainData, match="deeper"):
+        plain_data.decode_plain(wire)
 
 
 def test_the_candidate_is_the_prompt_completed_or_a_whole_function_after_it() -> None:
     prompt = "def helper():\n    return 1\n\ndef add(a, b):\n    '''Add.'''\n"
-    assert judge.candidate_sources(prompt, "    return a + b\n", "add") == [
+    assert judge_function.candidate_sources(prompt, "    return a + b\n", "add") == [
         ("<answer>", prompt + "    return a + b\n", True)
     ]
     whole = "def add(a, b):\n    return a + b + helper() - 1\n"
-    assert judge.candidate_sources(prompt, whole, "add") == [("<prompt>", prompt, False), ("<answer>", whole, True)]
+    assert judge_function.candidate_sources(prompt, whole, "add") == [
+        ("<prompt>", prompt, False),
+        ("<answer>", whole, True),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -167,7 +176,7 @@ def test_the_candidate_is_the_prompt_completed_or_a_whole_function_after_it() ->
     ],
 )
 def test_test_infrastructure_is_recognised_anywhere(path: str) -> None:
-    assert judge.is_test_infrastructure(path)
+    assert repo_files.is_test_infrastructure(path)
 
 
 @pytest.mark.parametrize(
@@ -186,7 +195,7 @@ def test_test_infrastructure_is_recognised_anywhere(path: str) -> None:
     ],
 )
 def test_ordinary_files_are_not_infrastructure(path: str) -> None:
-    assert not judge.is_test_infrastructure(path)
+    assert not repo_files.is_test_infrastructure(path)
 
 
 def report(nodeid: str, when: str, outcome: str, **extra: Any) -> dict[str, Any]:
@@ -225,7 +234,7 @@ def test_statuses_follow_pytests_summary() -> None:
         exitstatus=1,
         collected=(A, B, C),
     )
-    outcome = judge.aggregate_reports(frames, [A, B, C, "t.py::never"], KEY)
+    outcome = pytest_run.aggregate_reports(frames, [A, B, C, "t.py::never"], KEY)
     assert outcome["statuses"] == {A: "PASSED", B: "FAILED", C: "ERROR", "t.py::never": "MISSING"}
     assert outcome["complete"] and outcome["anomalies"] == [] and outcome["exit_code"] == 1
 
@@ -244,7 +253,7 @@ def test_statuses_follow_pytests_summary() -> None:
     ],
 )
 def test_phase_status(phases: list[tuple[str, str, bool, bool]], status: str) -> None:
-    assert judge.phase_status(phases) == status
+    assert pytest_run.phase_status(phases) == status
 
 
 @pytest.mark.parametrize(
@@ -277,13 +286,13 @@ def test_phase_status(phases: list[tuple[str, str, bool, bool]], status: str) ->
     ],
 )
 def test_a_stream_that_does_not_add_up_is_an_anomaly(frames: list[dict[str, Any]], anomaly: str) -> None:
-    outcome = judge.aggregate_reports(frames, [A, B], KEY)
+    outcome = pytest_run.aggregate_reports(frames, [A, B], KEY)
     assert any(anomaly in text for text in outcome["anomalies"]), outcome["anomalies"]
 
 
 def test_a_stream_without_its_last_frames_is_incomplete() -> None:
     frames = stream(*run_of(A), *run_of(B))[:-2]  # the runner was killed or made to exit
-    outcome = judge.aggregate_reports(frames, [A, B], KEY)
+    outcome = pytest_run.aggregate_reports(frames, [A, B], KEY)
     assert not outcome["complete"] and outcome["statuses"] == {A: "PASSED", B: "PASSED"}
 
 
@@ -319,7 +328,7 @@ def test_django_and_sympy_outcomes_by_the_parsers_names() -> None:
         runner_report("test_b (app.tests.T.test_b)", "FAILED", sub=True),  # a failing subtest fails its test
         {"kind": "exit", "code": 1, "key": KEY},
     ]
-    outcome = judge.aggregate_results(frames, KEY)
+    outcome = swebench_commands.aggregate_results(frames, KEY)
     assert outcome["statuses"] == {
         "test_a (app.tests.T.test_a)": "PASSED",
         "A docstring's first line.": "SKIPPED",
@@ -340,17 +349,17 @@ def test_django_and_sympy_outcomes_by_the_parsers_names() -> None:
     ],
 )
 def test_runner_outcomes_that_do_not_add_up(frames: list[dict[str, Any]], anomaly: str) -> None:
-    outcome = judge.aggregate_results([*frames, {"kind": "exit", "code": 0, "key": KEY}], KEY)
+    outcome = swebench_commands.aggregate_results([*frames, {"kind": "exit", "code": 0, "key": KEY}], KEY)
     assert any(anomaly in found for found in outcome["anomalies"]), outcome["anomalies"]
 
 
 def test_a_runner_stream_without_exit_is_incomplete() -> None:
-    outcome = judge.aggregate_results([runner_report("t", "PASSED")], KEY)
+    outcome = swebench_commands.aggregate_results([runner_report("t", "PASSED")], KEY)
     assert not outcome["complete"] and outcome["statuses"] == {"t": "PASSED"}
 
 
 def test_the_init_of_test_folders_is_protected_never_the_packages() -> None:
-    found = judge.package_inits({"tests/unit/test_a.py", "sympy/matrices/tests/test_m.py", "lib/mod.py"})
+    found = repo_files.package_inits({"tests/unit/test_a.py", "sympy/matrices/tests/test_m.py", "lib/mod.py"})
     assert found == {"tests/__init__.py", "tests/unit/__init__.py", "sympy/matrices/tests/__init__.py"}
 
 
@@ -363,7 +372,7 @@ def git_repo(path: Path, files: dict[str, str]) -> str:
         ["add", "-A"],
         ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base"],
     ):
-        subprocess.run(["git", *command], cwd=path, check=True, env=judge.git_env())
+        subprocess.run(["git", *command], cwd=path, check=True, env=repo_files.git_env())
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True).stdout.strip()
 
 
@@ -380,10 +389,10 @@ def test_a_test_patch_that_applies_at_the_base_commit_is_told_apart(tmp_path: Pa
     )
     (repo / "tests" / "test_b.py").mkdir()  # what a model's patch may leave in its way
     (repo / "tests" / "test_b.py" / "x").write_text("x")
-    assert judge.applies_at_base(str(repo), base, str(adds), str(tmp_path))
+    assert repo_files.applies_at_base(str(repo), base, str(adds), str(tmp_path))
     wrong = tmp_path / "wrong.patch"
     wrong.write_text("--- a/tests/test_a.py\n+++ b/tests/test_a.py\n@@ -1 +1 @@\n-def test_z():\n+def test_y():\n")
-    assert not judge.applies_at_base(str(repo), base, str(wrong), str(tmp_path))
+    assert not repo_files.applies_at_base(str(repo), base, str(wrong), str(tmp_path))
 
 
 def test_the_run_may_not_change_the_tests_files(tmp_path: Path) -> None:
@@ -393,17 +402,17 @@ def test_the_run_may_not_change_the_tests_files(tmp_path: Path) -> None:
     git_repo(repo, {"tests/test_a.py": "def test_a():\n    pass\n", "tests/test_c.py": "", "lib.py": ""})
 
     def protected(path: str) -> bool:
-        return path.startswith("tests/test_") or judge.is_test_infrastructure(path)
+        return path.startswith("tests/test_") or repo_files.is_test_infrastructure(path)
 
-    before = judge.file_digests(str(repo), judge.watched_files(str(repo), protected))
-    assert judge.files_changed(str(repo), protected, before) == []
+    before = repo_files.file_digests(str(repo), repo_files.watched_files(str(repo), protected))
+    assert repo_files.files_changed(str(repo), protected, before) == []
     (repo / "lib.py").write_text("changed")  # the code under test may change
-    assert judge.files_changed(str(repo), protected, before) == []
+    assert repo_files.files_changed(str(repo), protected, before) == []
     (repo / "tests" / "test_a.py").write_text("def test_a():\n    assert True\n")
     (repo / "tests" / "test_c.py").unlink()
     (repo / "tests" / "conftest.py").write_text("")
     (repo / "Evil.PTH").write_text("")
-    [changed] = judge.files_changed(str(repo), protected, before)
+    [changed] = repo_files.files_changed(str(repo), protected, before)
     for item in (
         "tests/test_a.py (rewritten)",
         "tests/test_c.py (deleted)",

@@ -86,6 +86,8 @@ def test_staging_copies_the_runtime_harness_and_profile_and_clears_socket_folder
     assert (staging.runtime_dir / "prorl_judge.py").read_bytes() == JUDGE_FILE.read_bytes()
     assert staging.seccomp_profile.read_bytes() == SECCOMP_PROFILE.read_bytes()
     assert (staging.runtime_dir / "prorl_runtime.py").stat().st_mode & 0o777 == 0o644
+    codec = Path("prorl_sandbox_runtime", "wire.py")  # the package beside the scripts, mounted with them
+    assert (staging.runtime_dir / codec).read_bytes() == (RUNTIME_FILE.parent / codec).read_bytes()
     assert not stale.exists() and staging.sockets_dir.is_dir()
     assert staging.socket_path("c1") == tmp_path / "sockets" / "unit" / "c1" / "rt.sock"
     staging.remove_socket_dirs()

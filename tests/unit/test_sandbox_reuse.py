@@ -147,15 +147,16 @@ async def test_the_reset_refuses_outside_a_sandbox_and_a_subreaper() -> None:
     """kill(-1) on a host would reach every process of the uid: the op refuses there."""
     import sys
 
-    from prorl_server.sandbox.runtime import RUNTIME_FILE
+    from prorl_server.sandbox.runtime import RUNTIME_DIR
 
-    code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('rt', {str(RUNTIME_FILE)!r})\n"
-        "rt = importlib.util.module_from_spec(spec); spec.loader.exec_module(rt)\n"
-        "runtime = rt.Runtime(sys.argv[1])\n"
+    code = (  # the package as a sandbox imports it, from the folder the entry scripts are in
+        "import sys\n"
+        f"sys.path.insert(0, {str(RUNTIME_DIR)!r})\n"
+        "from prorl_sandbox_runtime.reset import reset_runtime\n"
+        "from prorl_sandbox_runtime.server import Runtime\n"
+        "runtime = Runtime(sys.argv[1])\n"
         "try:\n"
-        "    rt.reset_runtime(runtime, {'paths': []})\n"
+        "    reset_runtime(runtime, {'paths': []})\n"
         "except RuntimeError as exc:\n"
         "    print('refused:', exc)\n"
     )

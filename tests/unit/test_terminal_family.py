@@ -36,7 +36,7 @@ from prorl_server.jobs.phase_runner import BudgetClock
 from prorl_server.jobs.record import JobPlan
 from prorl_server.jobs.validation import resolve_plan
 from prorl_server.llm.base import Sampling
-from prorl_server.sandbox.runtime import prorl_judge
+from prorl_server.sandbox.runtime.prorl_sandbox_runtime import judge_terminal
 from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import tool_call_text
@@ -284,7 +284,7 @@ def test_the_state_never_leaves_the_working_directory(tmp_path: Path) -> None:
             (member("fifo", tarfile.FIFOTYPE), None),
         )
     )
-    written, skipped = prorl_judge.unpack_state(str(tmp_path / "state.tar"), str(app))
+    written, skipped = judge_terminal.unpack_state(str(tmp_path / "state.tar"), str(app))
     assert (app / "ok.txt").read_bytes() == b"fine" and os.readlink(app / "link") == str(outside)
     assert written == 2 and len(skipped) == 5, skipped
     assert not list(outside.iterdir()) and not (tmp_path / "escaped.txt").exists()

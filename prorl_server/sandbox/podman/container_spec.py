@@ -9,7 +9,7 @@ has a read-only root file system: it can write only to its writable paths
 (PodmanOptions.writable_paths, each a tmpfs filled from the image when the
 container starts), /dev/shm and /dev/mqueue. Its own image is
 mounted read-only at IMAGE_MOUNT as well, the copy a reset restores those
-paths from (sandbox/podman/reset_check.py, prorl_runtime.py `reset_runtime`).
+paths from (sandbox/podman/reset_check.py, prorl_sandbox_runtime/reset.py `reset_runtime`).
 
 A runtime container starts the in-sandbox runtime (bind-mounted read-only) as
 its init, listening on a Unix socket in the per-sandbox folder the server

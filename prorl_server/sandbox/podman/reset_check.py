@@ -1,6 +1,6 @@
 """The server's own proof that a reset sandbox holds nothing of its previous job.
 
-The in-sandbox runtime does the reset (prorl_runtime.py `reset_runtime`) and says
+The in-sandbox runtime does the reset (prorl_sandbox_runtime/reset.py `reset_runtime`) and says
 what it left; a job's agent ran as the same uid as that runtime, so its word is
 checked from the host wherever the host can see, against a snapshot taken when
 the container was new, before any job ran in it:

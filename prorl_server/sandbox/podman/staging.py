@@ -1,7 +1,8 @@
 """What the server prepares on the host for its containers to mount.
 
-Under `state_dir`: the runtime and its judging harness (`runtime/`, mounted
-read-only at RUNTIME_MOUNT), the seccomp profile (read by Podman, outside any
+Under `state_dir`: the in-sandbox program, the runtime and its judging harness
+(`runtime/`: the two entry scripts and the package prorl_sandbox_runtime beside them,
+mounted read-only at RUNTIME_MOUNT), the seccomp profile (read by Podman, outside any
 container), and one socket folder per sandbox (`sockets/<instance id>/<name>`,
 mounted at SOCKET_MOUNT), where the runtime creates its socket.
 
@@ -14,8 +15,8 @@ import os
 import shutil
 from pathlib import Path
 
+from prorl_server.sandbox import runtime
 from prorl_server.sandbox.idmap import host_id
-from prorl_server.sandbox.runtime import JUDGE_FILE, RUNTIME_FILE
 
 SECCOMP_PROFILE = Path(__file__).parent.parent / "seccomp.json"
 """Podman's default profile, except that no user namespace can be created inside
@@ -36,22 +37,17 @@ class RuntimeStaging:
         self._container_user = container_user
 
     def stage(self) -> None:
-        """Copy the runtime where the sandbox user can read it (not the checkout, which
-        may sit in a home folder it cannot enter), and start with no socket folders."""
-        self.runtime_dir.mkdir(parents=True, exist_ok=True)
-        for folder in (self.state_dir, self.runtime_dir, self.sockets_dir.parent):
+        """Copy the in-sandbox program where the sandbox user can read it (not the checkout,
+        which may sit in a home folder it cannot enter), and start with no socket folders."""
+        for folder in (self.state_dir, self.sockets_dir.parent):
             folder.mkdir(parents=True, exist_ok=True)
             folder.chmod(0o755)
-        for source, staged in (
-            (RUNTIME_FILE, self.runtime_dir / RUNTIME_FILE.name),
-            (JUDGE_FILE, self.runtime_dir / JUDGE_FILE.name),
-            (SECCOMP_PROFILE, self.seccomp_profile),
-        ):
-            if not staged.exists() or staged.read_bytes() != source.read_bytes():
-                temporary = staged.with_suffix(f".{os.getpid()}.tmp")
-                shutil.copyfile(source, temporary)
-                temporary.chmod(0o644)
-                temporary.replace(staged)
+        runtime.stage(self.runtime_dir)
+        if not self.seccomp_profile.exists() or self.seccomp_profile.read_bytes() != SECCOMP_PROFILE.read_bytes():
+            temporary = self.seccomp_profile.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(SECCOMP_PROFILE, temporary)
+            temporary.chmod(0o644)
+            temporary.replace(self.seccomp_profile)
         shutil.rmtree(self.sockets_dir, ignore_errors=True)
         self.sockets_dir.mkdir(parents=True)
         self.sockets_dir.chmod(0o755)

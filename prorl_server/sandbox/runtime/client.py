@@ -1,7 +1,9 @@
 """The framing layer of the in-sandbox runtime's protocol: a connection, and JSON
 objects in and out.
 
-Frames are an 8-byte big-endian length and UTF-8 JSON (see prorl_runtime.py).
+Frames are an 8-byte big-endian length and UTF-8 JSON, encoded and checked by the
+codec the runtime itself uses (prorl_sandbox_runtime/wire.py); an answer whose
+length is over wire.MAX_REPLY breaks the connection before anything is read.
 Many calls may be in flight on one connection; answers are matched by id, so
 concurrent tool calls on one sandbox are safe. Outputs of many megabytes are
 read with readexactly and decoded off the event loop. The typed operations
@@ -14,13 +16,12 @@ import asyncio
 import contextlib
 import itertools
 import json
-import struct
 from collections.abc import Mapping
 from typing import Any
 
 from prorl_server.errors import SandboxError
+from prorl_server.sandbox.runtime.prorl_sandbox_runtime import wire
 
-HEADER = struct.Struct(">Q")
 # Frames larger than this are decoded in a worker thread.
 INLINE_DECODE_BYTES = 1 << 20
 
@@ -53,7 +54,7 @@ class RuntimeClient:
         client = cls(socket_path)
         await client.connect()
         try:
-            await client.call("health", {})
+            await client.call(wire.OP_HEALTH, {})
         except BaseException:
             await client.close()
             raise
@@ -67,16 +68,18 @@ class RuntimeClient:
         assert self._reader is not None
         try:
             while True:
-                header = await self._reader.readexactly(HEADER.size)
-                (size,) = HEADER.unpack(header)
+                header = await self._reader.readexactly(wire.HEADER.size)
+                size = wire.frame_size(header, wire.MAX_REPLY, "runtime answer")
                 body = await self._reader.readexactly(size)
                 if size > INLINE_DECODE_BYTES:
                     reply = await asyncio.to_thread(json.loads, body)
                 else:
                     reply = json.loads(body)
-                future = self._pending.pop(reply.get("id"), None)
+                future = self._pending.pop(reply.get(wire.ID), None)
                 if future is not None and not future.done():
                     future.set_result(reply)
+        except wire.FrameTooLarge as exc:
+            self._fail(f"the sandbox runtime broke the protocol: {exc}")
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             self._fail(f"the sandbox runtime closed the connection ({type(exc).__name__})")
         except asyncio.CancelledError:
@@ -98,10 +101,10 @@ class RuntimeClient:
         request_id = next(self._ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        body = json.dumps({**fields, "id": request_id, "op": op}).encode()
+        frame = wire.encode_frame({**fields, wire.ID: request_id, wire.OP: op})
         try:
             async with self._write_lock:
-                self._writer.write(HEADER.pack(len(body)) + body)
+                self._writer.write(frame)
                 await self._writer.drain()
         except (ConnectionError, OSError) as exc:
             self._pending.pop(request_id, None)
@@ -110,10 +113,10 @@ class RuntimeClient:
             reply = await future
         finally:
             self._pending.pop(request_id, None)
-        if not reply.get("ok"):
-            number = reply.get("errno")
+        if not reply.get(wire.OK):
+            number = reply.get(wire.ERRNO)
             raise RuntimeOpFailed(
-                f"the sandbox runtime failed on {op}: {str(reply.get('error'))[:2000]}",
+                f"the sandbox runtime failed on {op}: {str(reply.get(wire.ERROR))[:2000]}",
                 errno=number if isinstance(number, int) else None,
             )
         return reply

@@ -1,6 +1,7 @@
 """What can be asked of a sandbox runtime: one request and one response type per operation.
 
-A leaf module (no imports from the rest of the server): the runtimes
+A leaf module (it imports only the operation names both ends of the wire share,
+prorl_sandbox_runtime/wire.py): the runtimes
 (sandbox/runtime/socket_runtime.py, sandbox/podman/exec_runtime.py), the
 `Sandbox` the agents use and the test fakes all speak these types. They are
 transport-neutral: how a request travels (JSON frames to prorl_runtime.py, a
@@ -17,7 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from prorl_server.sandbox.runtime.prorl_sandbox_runtime import wire
+
 Op = Literal["bash", "python", "edit", "read_file", "write_file", "list_dir", "health", "judge", "reset"]
+"""wire.OPS, as a type (tests/unit/test_runtime_wire.py keeps the two equal)."""
 
 
 # --- results the agents see --------------------------------------------------------------
@@ -58,7 +62,7 @@ class JudgeResult:
 
 @dataclass(frozen=True)
 class BashRequest:
-    op: ClassVar[Op] = "bash"
+    op: ClassVar[Op] = wire.OP_BASH
     command: str
     """Run in the sandbox's shell; cwd, environment and background jobs persist where the runtime allows."""
     timeout_s: float
@@ -67,7 +71,7 @@ class BashRequest:
 
 @dataclass(frozen=True)
 class PythonRequest:
-    op: ClassVar[Op] = "python"
+    op: ClassVar[Op] = wire.OP_PYTHON
     code: str
     """Executed in one persistent namespace where the runtime allows (names survive between calls)."""
     timeout_s: float
@@ -77,7 +81,7 @@ class PythonRequest:
 class EditRequest:
     """A str_replace-style editor command; a field left None is not sent."""
 
-    op: ClassVar[Op] = "edit"
+    op: ClassVar[Op] = wire.OP_EDIT
     command: str
     """view, create, str_replace, insert or undo; the runtime tells the agent when it is none of these."""
     path: str
@@ -106,7 +110,7 @@ class EditRequest:
 
 @dataclass(frozen=True)
 class ReadFileRequest:
-    op: ClassVar[Op] = "read_file"
+    op: ClassVar[Op] = wire.OP_READ_FILE
     path: str
     max_bytes: int | None = None
     """Read at most this many bytes; None: the whole file."""
@@ -114,7 +118,7 @@ class ReadFileRequest:
 
 @dataclass(frozen=True)
 class WriteFileRequest:
-    op: ClassVar[Op] = "write_file"
+    op: ClassVar[Op] = wire.OP_WRITE_FILE
     path: str
     data: bytes
     mode: int | None = None
@@ -123,18 +127,18 @@ class WriteFileRequest:
 
 @dataclass(frozen=True)
 class ListDirRequest:
-    op: ClassVar[Op] = "list_dir"
+    op: ClassVar[Op] = wire.OP_LIST_DIR
     path: str
 
 
 @dataclass(frozen=True)
 class HealthRequest:
-    op: ClassVar[Op] = "health"
+    op: ClassVar[Op] = wire.OP_HEALTH
 
 
 @dataclass(frozen=True)
 class JudgeRequest:
-    op: ClassVar[Op] = "judge"
+    op: ClassVar[Op] = wire.OP_JUDGE
     mode: str
     """"function", "stdio" or "swe" (see prorl_judge.py)."""
     spec: Mapping[str, Any]
@@ -158,10 +162,10 @@ class ResetPath:
 @dataclass(frozen=True)
 class ResetRequest:
     """End every process but the sandbox's init and runtime, remove IPC objects and keys,
-    restore `paths`, start the shell, Python and the editor afresh (prorl_runtime.py
-    `reset_runtime`)."""
+    restore `paths`, start the shell, Python and the editor afresh
+    (prorl_sandbox_runtime/reset.py `reset_runtime`)."""
 
-    op: ClassVar[Op] = "reset"
+    op: ClassVar[Op] = wire.OP_RESET
     paths: tuple[ResetPath, ...]
     timeout_s: float
 

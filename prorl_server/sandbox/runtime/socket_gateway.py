@@ -5,7 +5,8 @@ connection of its own and sends `{"id": 1, "op": "gateway", "port": P, "max_body
 the runtime listens on the sandbox's loopback (127.0.0.1:P, P=0 any free port),
 answers 413 to any request whose body would exceed B bytes before reading it, and
 answers `{"id": 1, "ok": true, "port": bound}`. From then on the connection
-carries relay frames (8-byte big-endian length + JSON, as every runtime frame),
+carries relay frames (8-byte big-endian length + JSON, as every runtime frame, in
+the codec and words of prorl_sandbox_runtime/wire.py, which the runtime uses too),
 each naming its exchange (one HTTP request and its response) by `gw`:
 
     runtime -> server  {"gw": k, "type": "request", "method", "path", "headers": [[name, value], ...],
@@ -36,7 +37,6 @@ import base64
 import contextlib
 import functools
 import json
-import struct
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -44,13 +44,12 @@ import structlog
 
 from prorl_server.errors import SandboxError
 from prorl_server.sandbox.runtime.client import RuntimeOpFailed
+from prorl_server.sandbox.runtime.prorl_sandbox_runtime import wire
 from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler, HttpRequest, HttpResponse
 
 log = structlog.get_logger(__name__)
 
-HEADER = struct.Struct(">Q")
-MAX_FRAME = 256 << 20
-"""The runtime caps a request body at 64 MiB (base64 and headers come on top)."""
+MAX_FRAME = wire.MAX_RELAY
 PIECE_BYTES = 1 << 20
 """A body (or a piece an iterator yields) is relayed in chunks of at most this."""
 INLINE_BYTES = 1 << 20
@@ -67,14 +66,12 @@ def error_response(status: int, message: str) -> HttpResponse:
 
 
 def _encode(message: Mapping[str, Any]) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode()
-    return HEADER.pack(len(body)) + body
+    return wire.encode_frame(message, compact=True)
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> Any:
-    (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-    if size > MAX_FRAME:
-        raise ValueError(f"a relay frame of {size} bytes is too large")
+    """The next frame; wire.FrameTooLarge (a ValueError) over MAX_FRAME, before reading its body."""
+    size = wire.frame_size(await reader.readexactly(wire.HEADER.size), MAX_FRAME, "relay frame")
     body = await reader.readexactly(size)
     if size > INLINE_BYTES:
         return await asyncio.to_thread(json.loads, body)
@@ -159,7 +156,7 @@ class SocketGateway(GatewayHandle):
             ) from exc
         try:
             async with asyncio.timeout(timeout_s):
-                opening: dict[str, Any] = {"id": 1, "op": "gateway", "port": port}
+                opening: dict[str, Any] = {wire.ID: 1, wire.OP: wire.OP_GATEWAY, "port": port}
                 if max_body_bytes is not None:
                     opening["max_body"] = max_body_bytes
                 writer.write(_encode(opening))
@@ -216,14 +213,14 @@ class SocketGateway(GatewayHandle):
                 frame = await _read_frame(self._reader)
                 if not isinstance(frame, dict):
                     continue
-                number, kind = frame.get("gw"), frame.get("type")
+                number, kind = frame.get(wire.GW), frame.get(wire.TYPE)
                 if not isinstance(number, int):
                     continue
-                if kind == "request" and number not in self._tasks and not self._closed:
+                if kind == wire.RELAY_REQUEST and number not in self._tasks and not self._closed:
                     task = asyncio.create_task(self._serve(number, frame), name=f"gateway:{self._port}:{number}")
                     self._tasks[number] = task
                     task.add_done_callback(functools.partial(self._forget, number))
-                elif kind == "cancel" and number in self._tasks:
+                elif kind == wire.RELAY_CANCEL and number in self._tasks:
                     self._tasks[number].cancel()
         except (asyncio.IncompleteReadError, ConnectionError, OSError, ValueError):
             pass  # the runtime closed the relay (or its sandbox is gone)
@@ -293,11 +290,15 @@ class SocketGateway(GatewayHandle):
             body = bytes(body)
             if not any(name.lower() == "content-length" for name, _ in headers):
                 headers.append(["content-length", str(len(body))])
-        head = {"gw": number, "type": "response", "status": int(response.status), "headers": headers}
+        head = {wire.GW: number, wire.TYPE: wire.RELAY_RESPONSE, "status": int(response.status), "headers": headers}
         if isinstance(body, bytes):
-            end = {"gw": number, "type": "end"}
+            end = {wire.GW: number, wire.TYPE: wire.RELAY_END}
             if len(body) <= PIECE_BYTES:  # the whole response in one write
-                data = [{"gw": number, "type": "chunk", "data_b64": base64.b64encode(body).decode()}] if body else []
+                data = (
+                    [{wire.GW: number, wire.TYPE: wire.RELAY_CHUNK, "data_b64": base64.b64encode(body).decode()}]
+                    if body
+                    else []
+                )
                 await self._send(head, *data, end)
                 return
             await self._send(head)
@@ -315,19 +316,21 @@ class SocketGateway(GatewayHandle):
             raise
         except Exception as exc:
             log.warning("gateway_body_failed", port=self._port, exc_info=exc)
-            await self._send({"gw": number, "type": "end", "error": f"the body broke off ({type(exc).__name__})"})
+            await self._send(
+                {wire.GW: number, wire.TYPE: wire.RELAY_END, "error": f"the body broke off ({type(exc).__name__})"}
+            )
             return
         finally:
             close = getattr(body, "aclose", None)
             if close is not None:
                 with contextlib.suppress(Exception):
                     await close()
-        await self._send({"gw": number, "type": "end"})
+        await self._send({wire.GW: number, wire.TYPE: wire.RELAY_END})
 
     async def _send_data(self, number: int, data: bytes) -> None:
         for start in range(0, len(data), PIECE_BYTES):
             piece = base64.b64encode(data[start : start + PIECE_BYTES]).decode()
-            await self._send({"gw": number, "type": "chunk", "data_b64": piece})
+            await self._send({wire.GW: number, wire.TYPE: wire.RELAY_CHUNK, "data_b64": piece})
 
     async def _close(self) -> None:
         self._closed = True

@@ -2,8 +2,8 @@
 
 Each typed request becomes one JSON frame {"id", "op", "timeout_s",
 "max_output_bytes", ...fields}, each reply a typed response: the field names
-on the wire are the ones prorl_runtime.py's `Runtime.dispatch` reads and
-writes, and are mapped here only.
+on the wire are the ones the runtime's `Runtime` (prorl_sandbox_runtime/server.py)
+reads and writes, and are mapped here only.
 
 A failed call is blamed before it is raised (sandbox/blame.py): what the
 agent's commands did to their own sandbox (killed or stopped the runtime,
