@@ -26,6 +26,7 @@ log = structlog.get_logger(__name__)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "cpu", "pids")
 CPU_PERIOD_US = 100_000
+SHUTDOWN_PATIENCE_S = 30.0
 
 
 def _own_group(controller: str) -> str:
@@ -146,27 +147,32 @@ class CgroupV1Limiter:
             hit.append("pids")
         return hit
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, *, patience_s: float = 2.0) -> None:
         """Remove a sandbox's groups once its processes are gone (blocking)."""
+        deadline = time.monotonic() + patience_s
         for parent in self._parents.values():
             group = parent / name
-            for _ in range(40):  # processes of a removed container may take a moment to exit
+            while True:  # processes of a removed container may take a moment to exit
                 try:
                     group.rmdir()
                     break
                 except FileNotFoundError:
                     break
                 except OSError:
+                    if time.monotonic() >= deadline:
+                        log.warning("cgroup_not_removed", group=str(group))
+                        break
                     time.sleep(0.05)
-            else:
-                log.warning("cgroup_not_removed", group=str(group))
 
-    def remove_all(self) -> None:
-        """Remove every group of this server, and its parent groups (blocking)."""
+    def remove_all(self, *, patience_s: float = SHUTDOWN_PATIENCE_S) -> None:
+        """Remove every group of this server, and its parent groups (blocking). At shutdown
+        the processes of hundreds of containers removed at once may take many seconds to
+        exit on a busy host: their groups are waited for up to `patience_s` in all."""
+        deadline = time.monotonic() + patience_s
         for parent in self._parents.values():
             if parent.is_dir():
                 for child in parent.iterdir():
                     if child.is_dir():
-                        self.remove(child.name)
+                        self.remove(child.name, patience_s=max(deadline - time.monotonic(), 0.0))
                 with contextlib.suppress(OSError):
                     parent.rmdir()
