@@ -86,3 +86,11 @@ def test_every_sandbox_gets_the_shared_process_ceiling(tmp_path: Path) -> None:
     nproc = next(limit for limit in kwargs["ulimits"] if limit["Name"] == "nproc")
     assert nproc == {"Name": "nproc", "Soft": USER_NPROC_CEILING, "Hard": USER_NPROC_CEILING}
     assert kwargs["pids_limit"] == 64
+
+
+def test_a_limit_the_server_may_not_raise_is_left_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(which: int, limits: tuple[int, int]) -> None:
+        raise ValueError("not allowed to raise the soft limit")
+
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    assert host_limits.raise_nofile(facts(nofile_soft=1024, nofile_hard=4000), 1000) == 1024

@@ -147,7 +147,10 @@ def raise_nofile(facts: HostFacts, max_sandboxes: int) -> int:
         wanted = min(wanted, facts.nofile_hard)
     if wanted <= facts.nofile_soft:
         return facts.nofile_soft
-    resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, facts.nofile_hard))
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, facts.nofile_hard))
+    except (ValueError, OSError):  # not ours to raise here: the check reports the limit
+        return facts.nofile_soft
     return wanted
 
 
