@@ -23,17 +23,15 @@ import pytest_asyncio
 
 from prorl_client import Client, v1
 from prorl_server.agents import terminal
-from prorl_server.agents.base import Limits, RolloutContext
-from prorl_server.agents.terminal import TerminalInstance
+from prorl_server.agents.base import RolloutContext
 from prorl_server.app import ProrlServer
 from prorl_server.jobs.phase_runner import BudgetClock
-from prorl_server.llm.base import Sampling
 from tests.conftest import TEST_STATE_DIR, instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text, turn_index
 from tests.helpers import server_settings
 from tests.unit.test_families_fast import leftovers
-from tests.unit.test_terminal_family import TASKS, image_setup, instance_on_host, on_host, paths
+from tests.unit.test_terminal_family import TASKS, image_setup, instance_on_host, on_host, paths, terminal_context
 
 SPENT_S = 4.0
 """The parent's agent time in turn 0 (a sleep): what a fork after turn 0 must not get again."""
@@ -123,16 +121,7 @@ def statuses_of(details: dict[str, Any]) -> dict[str, str]:
 
 
 def context(clock: BudgetClock | None = None) -> RolloutContext[Any]:
-    return RolloutContext(
-        job_id="time",
-        instance=TerminalInstance.model_validate(TASKS["hello-world"]),
-        limits=Limits(max_turns=1, tool_timeout_s=1000),
-        sampling=Sampling(max_tokens=16, temperature=0.0),
-        chat=None,  # type: ignore[arg-type]
-        sandbox_factory=None,  # type: ignore[arg-type]
-        recorder=None,  # type: ignore[arg-type]
-        clock=clock,
-    )
+    return terminal_context("time", clock)
 
 
 async def test_a_time_limit_goes_on_from_the_time_already_used() -> None:

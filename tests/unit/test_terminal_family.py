@@ -404,10 +404,10 @@ async def test_the_tests_run_within_the_tasks_verifier_timeout(provider: FakeSan
     assert run.details["verdict"] == "tests_timed_out", run.details
 
 
-async def test_the_agents_time_stops_while_the_job_waits_for_a_model_slot() -> None:
-    clock = BudgetClock()
-    ctx: RolloutContext[Any] = RolloutContext(
-        job_id="clock",
+def terminal_context(job_id: str, clock: BudgetClock | None = None) -> RolloutContext[Any]:
+    """A hello-world task's context with no model, sandboxes or recorder: for the time limits."""
+    return RolloutContext(
+        job_id=job_id,
         instance=TerminalInstance.model_validate(TASKS["hello-world"]),
         limits=Limits(max_turns=1, tool_timeout_s=1000),
         sampling=Sampling(max_tokens=16, temperature=0.0),
@@ -416,6 +416,11 @@ async def test_the_agents_time_stops_while_the_job_waits_for_a_model_slot() -> N
         recorder=None,  # type: ignore[arg-type]
         clock=clock,
     )
+
+
+async def test_the_agents_time_stops_while_the_job_waits_for_a_model_slot() -> None:
+    clock = BudgetClock()
+    ctx = terminal_context("clock", clock)
     assert ctx.tool_timeout_s == 1000
     waited_past_them = False
     with pytest.raises(TimeoutError):
