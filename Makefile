@@ -14,6 +14,8 @@ export PRORL_VLLM_VENV := $(VLLM_VENV)
 # The embedded model's OpenMP threads wait without spinning: they share the
 # CPUs with sandboxes and tests (see prorl_server/cli.py).
 export OMP_WAIT_POLICY ?= PASSIVE
+# The fast suite: no Podman, no PostgreSQL, no real model (fakes of each).
+FAST_MARKERS := not podman and not e2e and not slow and not postgres and not vllm
 
 .PHONY: setup setup-demo setup-host setup-python images images-harnesses test-harnesses proto proto-check lint lint-proto test test-loaded test-without-podman test-integration test-e2e test-all test-vllm setup-vllm serve-vllm demo train-demo clean-containers bench bench-sandbox bench-llm bench-vllm bench-load bench-cluster bench-feed bench-verification bench-throughput bench-fork bench-live
 
@@ -69,17 +71,17 @@ lint: lint-proto
 # Fast, and runs without Podman or PostgreSQL: the core (job manager, pipeline, tool loop, every
 # family, a real gRPC server) against the fake sandbox provider and scripted LLMs.
 test:
-	$(PYTEST) -m "not podman and not e2e and not slow and not postgres and not vllm" -q
+	$(PYTEST) -m "$(FAST_MARKERS)" -q
 
 # The same fast suite while a CPU hog keeps every core busy (scripts/under_load.sh): no
 # test may depend on how fast the machine is. Not run by test-all: it doubles the suite's time.
 test-loaded:
-	bash scripts/under_load.sh $(PYTEST) -m "not podman and not e2e and not slow and not postgres and not vllm" -q
+	bash scripts/under_load.sh $(PYTEST) -m "$(FAST_MARKERS)" -q
 
 # The same fast suite on this machine with the podman command hidden (a private
 # mount namespace): proves `make test` needs no Podman.
 test-without-podman:
-	bash scripts/without_podman.sh $(PYTEST) -m "not podman and not e2e and not slow and not postgres and not vllm" -q
+	bash scripts/without_podman.sh $(PYTEST) -m "$(FAST_MARKERS)" -q
 
 # The integration layer: real rootless Podman sandboxes, scripted fake LLM; and the
 # PostgreSQL job store against a throwaway cluster of its own (tests/postgres.py).
@@ -94,11 +96,12 @@ test-vllm: setup setup-vllm
 test-e2e:
 	$(PYTEST) -m "e2e or slow" -q
 
-# Everything CI runs: set-up, generated-code check, lint, the fast suite without
-# Podman, then every other test: the container suites and the real-model suites side by side
-# (scripts/slow_suites.sh; the slowest listed: how far they are from pytest's timeout).
-test-all: setup setup-vllm proto-check lint test-without-podman
-	PYTEST="$(PYTEST)" bash scripts/slow_suites.sh
+# Everything CI runs: set-up, generated-code check, then side by side (scripts/test_suites.sh):
+# the container suites, the real-model suites, and the linters followed by the fast suite
+# without Podman (the slowest tests listed: how far they are from pytest's timeout).
+test-all: setup setup-vllm proto-check
+	PYTEST="$(PYTEST)" FAST_MARKERS="$(FAST_MARKERS)" LINT="$(MAKE) --no-print-directory lint" \
+	  bash scripts/test_suites.sh
 
 # Benchmarks print ratios measured side by side in one run; figures go to docs/benchmarks.md.
 bench: bench-sandbox bench-llm bench-load bench-cluster bench-feed bench-verification bench-throughput bench-fork bench-live

@@ -152,7 +152,9 @@ done
 # leaves them out. Their npm tree is installed on the host from the lock
 # (tarballs cached in PRORL_NPM_CACHE) into the build context; the build has
 # no network. Then one image per SWE task with the CLIs: the task's own build
-# context FROM localhost/prorl-harnesses, as localhost/prorl-harnesses-swe-<id>.
+# context FROM localhost/prorl-harnesses, as localhost/prorl-harnesses-swe-<id>;
+# PRORL_HARNESS_TASKS (task ids, space-separated) builds only those (CI builds the
+# one the harness suite uses).
 if [[ "${PRORL_HARNESSES:-0}" == 1 ]]; then
     NPM_CACHE="${PRORL_NPM_CACHE:-/var/cache/prorl-npm}"
     dir="$ROOT/sandbox_images/harnesses/"
@@ -173,6 +175,9 @@ if [[ "${PRORL_HARNESSES:-0}" == 1 ]]; then
     fi
     for task in "$ROOT"/sandbox_images/swe/tasks/*/; do
         [[ -f "$task/task.json" ]] || continue
+        if [[ -n "${PRORL_HARNESS_TASKS:-}" && " $PRORL_HARNESS_TASKS " != *" $(basename "$task") "* ]]; then
+            continue
+        fi
         tag="$(swe image "$task" | sed 's|^localhost/prorl-swe-|localhost/prorl-harnesses-swe-|')"
         digest="$( (built "$harnesses"; swe digest "$task") | digest_of)"
         if stale "$tag" "$digest"; then

@@ -47,9 +47,11 @@ pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # -march=native: on CPUs with AMX the native build's AMX matrix kernel crashes
 # (SIGSEGV in ggml_backend_amx_mul_mat) on every prompt of two tokens or more.
 # No wheel cache: a cached wheel may be a native build. Rebuilt only when the
-# flags change (recorded in the venv).
+# flags change (recorded in the venv). LLAVA_BUILD=OFF: the multimodal library
+# (mtmd, loaded only by llama-cpp-python's image chat handlers, which the server
+# never uses) is a tenth of the compile.
 LLAMA_CPP="llama-cpp-python==0.3.36"  # as in pyproject.toml's embedded extra
-LLAMA_CMAKE_ARGS="${LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON}"
+LLAMA_CMAKE_ARGS="${LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF}"
 stamp="$VENV/.llama-cpp-build"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$LLAMA_CPP $LLAMA_CMAKE_ARGS" ]]; then
     echo "setup-python: building $LLAMA_CPP from source (about 5 minutes on 2 cores)"

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Every test of `make test-all`, as three pytest runs side by side:
+#   containers: the Podman and PostgreSQL suites (integration, adversarial, deploy), which
+#               spend much of their time waiting for containers and servers; the longest,
+#               so it starts first and its output is printed as it runs;
+#   models:     the suites on a real model (the embedded llama.cpp model, vLLM), which
+#               spend theirs computing;
+#   fast:       the linters, then the fast suite with the podman command hidden
+#               (scripts/without_podman.sh: it must need no Podman).
+# Together they take about as long as the longest instead of the sum. Each has its own
+# temporary folder and sandbox state folder (a pytest run removes the older temporary
+# folders of its user, and would remove another's). The other two runs' output is
+# printed after the containers run's; the exit status is non-zero if any failed.
+#   PYTEST        how to run pytest (default: python -m pytest)
+#   FAST_MARKERS  the fast suite's marker expression (the Makefile's)
+#   LINT          the linters' command, run before the fast suite (default: none)
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit
+read -r -a pytest <<<"${PYTEST:-python -m pytest}"
+fast_markers="${FAST_MARKERS:?set FAST_MARKERS to the marker expression of the fast suite}"
+base="$(mktemp -d /tmp/prorl-suites.XXXXXX)"
+state="${PRORL_TEST_STATE_DIR:-/var/lib/prorl}"
+for lane in models fast; do
+    install -d -m 0755 -o prorl -g prorl "$state-$lane"
+done
+lanes=()
+trap 'kill "${lanes[@]}" 2>/dev/null; rm -rf "$base"' EXIT
+
+PRORL_TEST_STATE_DIR="$state-models" "${pytest[@]}" -m "(e2e or vllm) and not harnesses" -q --durations=15 \
+    -p no:cacheprovider --basetemp="$base/models" >"$base/models.log" 2>&1 &
+models=$!
+lanes+=("$models")
+(
+    if [[ -n "${LINT:-}" ]]; then
+        bash -c "$LINT" || exit
+    fi
+    PRORL_TEST_STATE_DIR="$state-fast" bash scripts/without_podman.sh "${pytest[@]}" -m "$fast_markers" -q \
+        --durations=10 -p no:cacheprovider --basetemp="$base/fast"
+) >"$base/fast.log" 2>&1 &
+fast=$!
+lanes+=("$fast")
+"${pytest[@]}" -m "(podman or slow or postgres) and not e2e and not vllm and not harnesses" -q \
+    --durations=25 -p no:cacheprovider --basetemp="$base/containers"
+containers=$?
+wait "$fast"
+fast_status=$?
+wait "$models"
+models_status=$?
+lanes=()
+echo "=== the linters and the fast suite without Podman (run beside the ones above) ==="
+cat "$base/fast.log"
+echo "=== the suites on a real model (run beside the ones above) ==="
+cat "$base/models.log"
+echo "test suites: containers exit $containers, fast exit $fast_status, models exit $models_status"
+(( containers == 0 && fast_status == 0 && models_status == 0 ))
