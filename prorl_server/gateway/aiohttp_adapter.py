@@ -44,8 +44,9 @@ def to_http_request(request: web.Request, body: bytes = b"") -> HttpRequest:
 
 
 def _headers(response: HttpResponse) -> dict[str, str]:
-    """The answer's end-to-end headers. The hop-by-hop ones (RFC 9110 section 7.6.1) and the framing
-    (aiohttp's to set) are dropped: the one list the sandbox's relay drops too."""
+    """The answer's end-to-end headers. The hop-by-hop ones (HOP_BY_HOP: RFC 7230 section 6.1's and
+    Proxy-Connection) and the framing (aiohttp's to set) are dropped: the one list the sandbox's
+    relay drops too."""
     return {name: value for name, value in response.headers.items() if name.lower() not in HOP_BY_HOP}
 
 

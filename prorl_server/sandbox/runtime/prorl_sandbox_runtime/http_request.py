@@ -17,8 +17,24 @@ RELAY_MAX_LINE = 65536
 RELAY_MAX_HEADERS = 100
 RELAY_MAX_HEADER_BYTES = 256 << 10
 HOP_BY_HOP = frozenset(
-    ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "content-length"]
+    [
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+    ]
 )
+"""The response fields that stop at a hop, dropped from a handler's answer by the sandbox's relay
+and by the gateway port alike (the one list both use): the hop-by-hop fields of RFC 7230
+section 6.1 (Connection, Keep-Alive, Proxy-Authenticate, Proxy-Authorization, TE, Trailer,
+Transfer-Encoding, Upgrade, as RFC 2616 section 13.5.1 lists them) and Proxy-Connection (RFC
+9110 section 7.6.1), plus Content-Length: each end frames the body it sends itself."""
 # Matched with fullmatch (`$` would let a trailing newline through).
 HTTP_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 HTTP_VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")
