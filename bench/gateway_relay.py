@@ -4,7 +4,7 @@ A small JSON POST (about 200 bytes each way) is timed by the same client code
 (http.client, stdlib) in three setups, p50/p95 over --calls calls after a warm-up:
 - direct: a client on the host to an aiohttp server on the host's loopback (no relay);
 - gateway: a client inside the sandbox to the gateway at 127.0.0.1, answered by a
-  handler in this process (runtime -> Unix socket -> SocketGateway -> handler);
+  handler in this process (runtime -> Unix socket -> SocketRelay -> handler);
 - gateway+upstream: the same, the handler forwarding the call to the aiohttp server;
 - model gateway: an OpenAI chat completion through the job's model gateway (relay and
   protocol layer), the model answering at once: the gateway's whole cost per call.
@@ -42,7 +42,7 @@ from bench.common import default_spec, percentile, podman_provider
 from prorl_server.gateway.app import ModelGateway
 from prorl_server.llm.base import ChatResult, Sampling
 from prorl_server.sandbox.base import Sandbox, SandboxProvider
-from prorl_server.sandbox.runtime.relay import GatewayHandler, HttpRequest, HttpResponse
+from prorl_server.sandbox.runtime.relay import HttpRequest, HttpResponse, RelayHandler
 
 BODY_IN_SANDBOX = "/tmp/prorl-bench-body.json"
 REPLY = json.dumps({"id": "r-1", "object": "echo", "choices": [{"index": 0, "text": "x" * 120}]}).encode()
@@ -214,18 +214,18 @@ async def main(args: argparse.Namespace) -> None:
         sandbox = await provider.create(default_spec() if args.provider == "podman" else default_spec(image="fake"))
         try:
             results = {"direct (host -> aiohttp)": await on_host(upstream_port, args.calls, args.warmup)}
-            cases: list[tuple[str, GatewayHandler, str]] = [
+            cases: list[tuple[str, RelayHandler, str]] = [
                 ("gateway (handler in-process)", local, "/v1/echo"),
                 ("gateway -> aiohttp upstream", forward, "/v1/echo"),
                 ("model gateway, chat completion", model_gateway(), "/v1/chat/completions"),
             ]
             for label, handler, path in cases:
-                gateway = await sandbox.open_gateway(handler)
-                hosts = getattr(gateway, "hosts", ["127.0.0.1"])
+                relay = await sandbox.open_relay(handler)
+                hosts = getattr(relay, "hosts", ["127.0.0.1"])
                 try:
-                    results[label] = await in_sandbox(sandbox, gateway.port, args.calls, args.warmup, path)
+                    results[label] = await in_sandbox(sandbox, relay.port, args.calls, args.warmup, path)
                 finally:
-                    await gateway.close()
+                    await relay.close()
             # The large request: the same body on the host and in the sandbox.
             body, origin = large_request()
             with tempfile.NamedTemporaryFile(suffix=".json") as host_file:
@@ -235,18 +235,16 @@ async def main(args: argparse.Namespace) -> None:
                     "direct (host -> aiohttp)": await on_host(upstream_port, args.calls, args.warmup, host_file.name)
                 }
             await sandbox.write_file(BODY_IN_SANDBOX, body)
-            large_cases: list[tuple[str, GatewayHandler, str]] = [
+            large_cases: list[tuple[str, RelayHandler, str]] = [
                 ("gateway (handler in-process)", local, "/v1/echo"),
                 ("model gateway, Anthropic messages", model_gateway(), "/v1/messages"),
             ]
             for label, handler, path in large_cases:
-                gateway = await sandbox.open_gateway(handler)
+                relay = await sandbox.open_relay(handler)
                 try:
-                    large[label] = await in_sandbox(
-                        sandbox, gateway.port, args.calls, args.warmup, path, BODY_IN_SANDBOX
-                    )
+                    large[label] = await in_sandbox(sandbox, relay.port, args.calls, args.warmup, path, BODY_IN_SANDBOX)
                 finally:
-                    await gateway.close()
+                    await relay.close()
         finally:
             await sandbox.close()
     print(

@@ -193,7 +193,7 @@ async def scripted_model(
 
 
 class Recorder:
-    """A GatewayHandler that keeps each request (and the status the gateway answered) in order."""
+    """A RelayHandler that keeps each request (and the status the gateway answered) in order."""
 
     def __init__(self, gateway: ModelGateway) -> None:
         self.gateway = gateway

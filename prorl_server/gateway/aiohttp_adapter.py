@@ -1,10 +1,10 @@
-"""Serving a `GatewayHandler` over HTTP with aiohttp: one catch-all route.
+"""Serving a `RelayHandler` over HTTP with aiohttp: one catch-all route.
 
 Each aiohttp request becomes an `HttpRequest` (method, path with query, lower-cased headers, the
 whole body); the `HttpResponse` goes back whole, or piece by piece through a `StreamResponse`
 when its body is an async iterator (server-sent events). When the client goes away mid-stream
 the body's iterator is closed; `GatewayServer` also cancels the handler when the client hangs up
-before the answer (a `GatewayHandler` is cancelled when the program closes its connection).
+before the answer (a `RelayHandler` is cancelled when the program closes its connection).
 
 Before a body is read, a handler with an `admit(request)` method (the server's gateway directory)
 is asked about the request's head: its refusal (a 401 for an unknown job or a bad key, a 413 for a
@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from aiohttp import web
 
 from prorl_server.sandbox.runtime.prorl_sandbox_runtime.http_request import HOP_BY_HOP
-from prorl_server.sandbox.runtime.relay import GatewayHandler, HttpRequest, HttpResponse
+from prorl_server.sandbox.runtime.relay import HttpRequest, HttpResponse, RelayHandler
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 """Agents send the whole conversation on every call: far over aiohttp's 1 MiB default. The job's
@@ -44,8 +44,9 @@ def to_http_request(request: web.Request, body: bytes = b"") -> HttpRequest:
 
 
 def _headers(response: HttpResponse) -> dict[str, str]:
-    """The answer's end-to-end headers. The hop-by-hop ones (RFC 9110 section 7.6.1) and the framing
-    (aiohttp's to set) are dropped: the one list the sandbox's relay drops too."""
+    """The answer's end-to-end headers. The hop-by-hop ones (HOP_BY_HOP: RFC 7230 section 6.1's and
+    Proxy-Connection) and the framing (aiohttp's to set) are dropped: the one list the sandbox's
+    relay drops too."""
     return {name: value for name, value in response.headers.items() if name.lower() not in HOP_BY_HOP}
 
 
@@ -90,7 +91,7 @@ async def read_body(request: web.Request, *, max_bytes: int, timeout_s: float) -
 
 
 def aiohttp_handler(
-    gateway: GatewayHandler, *, max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S
+    gateway: RelayHandler, *, max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     admit: Callable[[HttpRequest], HttpResponse | None] | None = getattr(gateway, "admit", None)
 
@@ -112,7 +113,7 @@ def aiohttp_handler(
 
 
 def gateway_app(
-    gateway: GatewayHandler, *, max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S
+    gateway: RelayHandler, *, max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S
 ) -> web.Application:
     """An aiohttp application that hands every request, whatever its path and method, to `gateway`."""
     app = web.Application(client_max_size=max_body_bytes)
@@ -126,7 +127,7 @@ class GatewayServer:
 
     def __init__(
         self,
-        gateway: GatewayHandler,
+        gateway: RelayHandler,
         *,
         host: str = "127.0.0.1",
         port: int = 0,

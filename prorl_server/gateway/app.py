@@ -1,4 +1,4 @@
-"""The model gateway: the providers' HTTP APIs on top of one job's `chat` (a `GatewayHandler`).
+"""The model gateway: the providers' HTTP APIs on top of one job's `chat` (a `RelayHandler`).
 
 Routes (each also without the `/v1` prefix; a query string is ignored):
 
@@ -117,7 +117,7 @@ def _bearer(request: HttpRequest) -> str | None:
 
 
 class ModelGateway:
-    """One job's model endpoint: callable as a `GatewayHandler`."""
+    """One job's model endpoint: callable as a `RelayHandler`."""
 
     def __init__(
         self,

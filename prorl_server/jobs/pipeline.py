@@ -128,7 +128,7 @@ class Pipeline:
                 limits=self._gateway_limits,
                 on_left_out=chains.note_left_out,
             )
-            handle = await sandbox.open_gateway(gateway)
+            handle = await sandbox.open_relay(gateway)
             self._gateways.add(job.job_id, gateway)
             try:
                 port = self._gateway_port() or 0

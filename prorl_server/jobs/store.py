@@ -28,13 +28,9 @@ import abc
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from prorl_client import v1
 from prorl_server.errors import ProrlError
-
-if TYPE_CHECKING:  # at run time through __getattr__ below (sqlite_store imports this module)
-    from prorl_server.jobs.sqlite_store import SQLiteJobStore as SQLiteJobStore
 
 FRAME = struct.Struct(">I")
 
@@ -206,12 +202,3 @@ def unpack_events(blob: bytes | None) -> list[v1.RolloutEvent]:
         events.append(v1.RolloutEvent.FromString(blob[offset : offset + size]))
         offset += size
     return events
-
-
-def __getattr__(name: str) -> Any:
-    """`from prorl_server.jobs.store import SQLiteJobStore` keeps working (it moved to sqlite_store.py)."""
-    if name == "SQLiteJobStore":
-        from prorl_server.jobs.sqlite_store import SQLiteJobStore
-
-        return SQLiteJobStore
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

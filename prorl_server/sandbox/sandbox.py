@@ -32,7 +32,7 @@ from prorl_server.sandbox.runtime.protocol import (
     ReadFileRequest,
     WriteFileRequest,
 )
-from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler
+from prorl_server.sandbox.runtime.relay import RelayHandle, RelayHandler
 
 
 def judge_result(response: JudgeResponse) -> JudgeResult:
@@ -85,7 +85,7 @@ class Sandbox:
         self.jobs_served = 0
         """Jobs this container served before the one holding this object (reuse)."""
         self._close_callbacks: list[Callable[[], None]] = []
-        self._gateways: list[GatewayHandle] = []
+        self._relays: list[RelayHandle] = []
         self._closed = False
 
     @property
@@ -173,30 +173,30 @@ class Sandbox:
         self._check_open()
         return judge_result(await self._runtime.judge(JudgeRequest(mode, spec, timeout_s)))
 
-    async def open_gateway(self, handler: GatewayHandler, *, port: int = 0) -> GatewayHandle:
+    async def open_relay(self, handler: RelayHandler, *, port: int = 0) -> RelayHandle:
         """Serve HTTP to the programs inside at http://127.0.0.1:<port> (the handle's `port`;
         0: any free port), the sandbox's own loopback: each request goes to `handler`
         (runtime/relay.py) and its response back, streamed bodies piece by piece. The
         sandbox keeps no network. Closed with the sandbox, or by the handle's `close()`.
         SandboxError(reason="gateway_needs_runtime") in an image without python3."""
         self._check_open()
-        gateway = await self._runtime.open_gateway(handler, port=port)
+        relay = await self._runtime.open_relay(handler, port=port)
         if self._closed:  # closed meanwhile
-            await gateway.close()
+            await relay.close()
             raise SandboxError("the sandbox is closed")
-        self._gateways = [*(item for item in self._gateways if not item.closed), gateway]
-        return gateway
+        self._relays = [*(item for item in self._relays if not item.closed), relay]
+        return relay
 
     async def close(self) -> None:
-        """Close the gateways, stop the runtime and remove the container (or hand both to
+        """Close the relays, stop the runtime and remove the container (or hand both to
         `recycle`); the close callbacks run before the runtime stops."""
         if self._closed:
             return
         self._closed = True
-        gateways, self._gateways = self._gateways, []
-        for gateway in gateways:
+        relays, self._relays = self._relays, []
+        for relay in relays:
             with contextlib.suppress(Exception):
-                await gateway.close()
+                await relay.close()
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:
             callback()

@@ -13,7 +13,7 @@ import pytest
 
 from prorl_client import v1
 from prorl_server.jobs.record import FINISHED_STATUSES
-from prorl_server.jobs.store import SQLiteJobStore
+from prorl_server.jobs.sqlite_store import SQLiteJobStore
 from tests.conftest import job_containers
 from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index, user_prompt
 from tests.helpers import assert_eventually, kinds, math_request

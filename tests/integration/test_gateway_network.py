@@ -81,7 +81,7 @@ async def test_the_gateway_is_reached_over_loopback_and_nothing_else_is(provider
 
     sandbox = await provider.create(small_spec())
     try:
-        gateway = await sandbox.open_gateway(handler)
+        gateway = await sandbox.open_relay(handler)
         has_v6 = "::1" in getattr(gateway, "hosts", [])
         # A bash call in progress (and killed at its timeout) does not disturb the relay.
         busy = asyncio.ensure_future(sandbox.bash("sleep 30", timeout_s=3))
@@ -176,7 +176,7 @@ async def test_the_official_sdks_work_inside_a_network_less_sandbox(provider: Po
     gateway_handler = ModelGateway(chat, default_sampling=Sampling(max_tokens=32, temperature=1.0), api_key="k")
     sandbox = await provider.create(small_spec())
     try:
-        gateway = await sandbox.open_gateway(gateway_handler)
+        gateway = await sandbox.open_relay(gateway_handler)
         environment = (
             f"OPENAI_BASE_URL=http://127.0.0.1:{gateway.port}/v1 OPENAI_API_KEY=k "
             f"ANTHROPIC_BASE_URL=http://127.0.0.1:{gateway.port} ANTHROPIC_API_KEY=k"

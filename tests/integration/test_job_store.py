@@ -11,7 +11,7 @@ import pytest
 
 from prorl_client import Client, RpcError, v1
 from prorl_server.app import ProrlServer
-from prorl_server.jobs.store import SQLiteJobStore
+from prorl_server.jobs.sqlite_store import SQLiteJobStore
 from tests.conftest import make_settings
 from tests.fakes.scripted_llm import ScriptedReply, tool_call_text, turn_index
 from tests.helpers import math_request

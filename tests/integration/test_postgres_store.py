@@ -27,7 +27,6 @@ from prorl_server.jobs.pipeline import Pipeline
 from prorl_server.jobs.postgres_store import MIGRATIONS, Migration, PostgresJobStore
 from prorl_server.jobs.sqlite_store import SQLiteJobStore
 from prorl_server.jobs.store import JobStore, JobStoreError
-from prorl_server.jobs.store import SQLiteJobStore as SQLiteJobStoreOldPath
 from prorl_server.llm.router import BackendRouter
 from prorl_server.modes.factory import build_store, open_store
 from prorl_server.sandbox.allocator import SandboxAllocator
@@ -278,7 +277,6 @@ def test_jobs_store_takes_true_false_or_a_postgresql_url(tmp_path: Path) -> None
     for wrong in ("sqlite", "mysql://h/d", "", "/var/lib/prorl/jobs.sqlite"):
         with pytest.raises(ConfigError, match=r"setting 'jobs\.store'.*true \(SQLite\), false \(no store\)"):
             settings_with(wrong)
-    assert SQLiteJobStoreOldPath is SQLiteJobStore  # the old import path still works
 
 
 def test_passwords_are_masked_in_urls() -> None:

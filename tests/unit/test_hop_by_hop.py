@@ -72,7 +72,7 @@ async def sandbox(fake_provider: FakeSandboxProvider) -> AsyncIterator[Sandbox]:
 
 
 async def test_the_sandbox_relay_drops_the_same_headers(sandbox: Sandbox) -> None:
-    gateway = await sandbox.open_gateway(handler)
+    gateway = await sandbox.open_relay(handler)
     program = f"""
 import socket
 s = socket.create_connection(("127.0.0.1", {gateway.port}), timeout=30)

@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from prorl_client import v1
-from prorl_server.jobs.store import SQLiteJobStore, pack_events
+from prorl_server.jobs.sqlite_store import SQLiteJobStore
+from prorl_server.jobs.store import pack_events
 
 SCHEMA_BEFORE_RETRIES = """
 CREATE TABLE jobs (

@@ -19,7 +19,7 @@ import pytest
 
 from prorl_server.errors import SandboxError
 from prorl_server.sandbox import runtime as program
-from prorl_server.sandbox.runtime import socket_gateway
+from prorl_server.sandbox.runtime import socket_relay
 from prorl_server.sandbox.runtime.client import RuntimeClient
 from prorl_server.sandbox.runtime.prorl_sandbox_runtime import wire
 from prorl_server.sandbox.runtime.protocol import Op
@@ -95,9 +95,9 @@ async def test_the_runtime_client_breaks_off_at_an_answer_over_its_limit(socket_
 
 async def test_the_relay_reader_refuses_a_frame_over_its_limit() -> None:
     reader = asyncio.StreamReader()
-    reader.feed_data(wire.HEADER.pack(socket_gateway.MAX_FRAME + 1))
+    reader.feed_data(wire.HEADER.pack(socket_relay.MAX_FRAME + 1))
     with pytest.raises(ValueError, match="relay frame"):
-        await socket_gateway._read_frame(reader)
+        await socket_relay._read_frame(reader)
 
 
 def test_staging_copies_the_package_beside_the_scripts_and_drops_what_is_no_longer_in_it(tmp_path: Path) -> None:

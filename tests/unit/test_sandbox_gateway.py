@@ -17,8 +17,8 @@ import pytest_asyncio
 from prorl_server.errors import SandboxError
 from prorl_server.sandbox.base import Sandbox, SandboxSpec
 from prorl_server.sandbox.podman.exec_runtime import ExecRuntime
-from prorl_server.sandbox.runtime.relay import GatewayHandle, HttpRequest, HttpResponse
-from prorl_server.sandbox.runtime.socket_gateway import SocketGateway
+from prorl_server.sandbox.runtime.relay import HttpRequest, HttpResponse, RelayHandle
+from prorl_server.sandbox.runtime.socket_relay import SocketRelay
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.helpers import assert_eventually
 
@@ -33,7 +33,7 @@ async def sandbox(fake_provider: FakeSandboxProvider) -> AsyncIterator[Sandbox]:
     await sandbox.close()
 
 
-async def inside(sandbox: Sandbox, gateway: GatewayHandle, code: str) -> str:
+async def inside(sandbox: Sandbox, gateway: RelayHandle, code: str) -> str:
     """Run `code` in the sandbox's Python with PORT bound to the gateway's port; its output."""
     result = await sandbox.python(f"PORT = {gateway.port}\n{code}", timeout_s=60)
     assert not result.is_error, result.output
@@ -65,8 +65,8 @@ async def test_a_json_request_and_its_response_round_trip(sandbox: Sandbox) -> N
         seen.append(request)
         return json_response({"echo": json.loads(request.body or b"null"), "n": len(seen)}, 201, **{"x-trace": "t-1"})
 
-    gateway = await sandbox.open_gateway(handler)
-    assert isinstance(gateway, SocketGateway) and 0 < gateway.port < 65536 and not gateway.closed
+    gateway = await sandbox.open_relay(handler)
+    assert isinstance(gateway, SocketRelay) and 0 < gateway.port < 65536 and not gateway.closed
     assert gateway.url == f"http://127.0.0.1:{gateway.port}"
     output = await inside(
         sandbox,
@@ -131,7 +131,7 @@ async def test_a_streamed_body_arrives_piece_by_piece_as_it_is_produced(sandbox:
             return HttpResponse(204)
         return HttpResponse(200, {"content-type": "text/event-stream", "cache-control": "no-cache"}, events())
 
-    gateway = await sandbox.open_gateway(handler)
+    gateway = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
         gateway,
@@ -182,7 +182,7 @@ async def test_twenty_requests_are_served_at_once(sandbox: Sandbox) -> None:
             in_flight -= 1
         return json_response({"path": request.path, "body": request.body.decode()})
 
-    gateway = await sandbox.open_gateway(handler)
+    gateway = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
         gateway,
@@ -230,8 +230,8 @@ async def test_a_program_that_goes_away_cancels_its_handler(sandbox: Sandbox) ->
             raise
         raise AssertionError("unreachable")
 
-    gateway = await sandbox.open_gateway(handler)
-    assert isinstance(gateway, SocketGateway)
+    gateway = await sandbox.open_relay(handler)
+    assert isinstance(gateway, SocketRelay)
     output = await inside(
         sandbox,
         gateway,
@@ -277,7 +277,7 @@ async def test_a_failing_handler_answers_500_and_the_gateway_goes_on(sandbox: Sa
             return HttpResponse(42)
         return json_response({"fine": True})
 
-    gateway = await sandbox.open_gateway(handler)
+    gateway = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
         gateway,
@@ -312,7 +312,7 @@ async def test_a_chunked_request_body_reaches_the_handler_whole(sandbox: Sandbox
         seen.append(request)
         return json_response({"size": len(request.body)})
 
-    gateway = await sandbox.open_gateway(handler)
+    gateway = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
         gateway,
@@ -348,7 +348,7 @@ async def test_the_runtimes_refusals_speak_the_format_of_the_api_called(sandbox:
     """A 413 (or a malformed head) answered by the runtime itself is in the error format of the
     API the path names, as the server's gateway answers: the SDKs of Anthropic and Google read it
     (a Gemini path used to get OpenAI's shape)."""
-    gateway = await sandbox.open_gateway(lambda request: asyncio.sleep(0, json_response({})))
+    gateway = await sandbox.open_relay(lambda request: asyncio.sleep(0, json_response({})))
     output = await inside(
         sandbox,
         gateway,
@@ -410,7 +410,7 @@ async def test_large_bodies_cross_whole_both_ways(sandbox: Sandbox) -> None:
 
         return HttpResponse(200, {"x-digest": digest}, pieces())
 
-    gateway = await sandbox.open_gateway(handler)
+    gateway = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
         gateway,
@@ -442,7 +442,7 @@ async def test_garbage_gets_400_and_the_runtime_serves_on(sandbox: Sandbox) -> N
         calls.append(request.path)
         return json_response({"ok": True})
 
-    gateway = await sandbox.open_gateway(handler)
+    gateway = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
         gateway,
@@ -496,7 +496,7 @@ async def test_the_runtimes_descriptors_stay_out_of_the_agents_processes(sandbox
         await asyncio.wait_for(release.wait(), WAIT_S)
         return json_response({"held": True})
 
-    gateway = await sandbox.open_gateway(handler)
+    gateway = await sandbox.open_relay(handler)
     client = asyncio.ensure_future(inside(sandbox, gateway, fetch("/")))
     await asyncio.wait_for(holding.wait(), WAIT_S)
     fds = await sandbox.bash("ls -l /proc/$$/fd /proc/self/fd", timeout_s=10)  # the first bash: started now
@@ -510,7 +510,7 @@ async def test_closing_the_gateway_stops_the_listener(sandbox: Sandbox) -> None:
     async def handler(request: HttpRequest) -> HttpResponse:
         return json_response({"path": request.path})
 
-    gateway = await sandbox.open_gateway(handler)
+    gateway = await sandbox.open_relay(handler)
     port = gateway.port
     await inside(
         sandbox,
@@ -544,11 +544,11 @@ except (ConnectionError, OSError, http.client.HTTPException) as exc:
     )
     assert output.split() == ["refused", "cut"]
     # The port is free again: a new gateway can take it.
-    again = await sandbox.open_gateway(handler, port=port)
+    again = await sandbox.open_relay(handler, port=port)
     assert again.port == port
     assert "/second" in await inside(sandbox, again, fetch("/second"))
     with pytest.raises(SandboxError) as taken:
-        await sandbox.open_gateway(handler, port=port)
+        await sandbox.open_relay(handler, port=port)
     assert "EADDRINUSE" in taken.value.message or "in use" in taken.value.message
     await again.close()
 
@@ -567,8 +567,8 @@ async def test_closing_the_sandbox_closes_its_gateways_first(fake_provider: Fake
             raise
         raise AssertionError("unreachable")
 
-    gateway = await sandbox.open_gateway(handler)
-    idle = await sandbox.open_gateway(handler)
+    gateway = await sandbox.open_relay(handler)
+    idle = await sandbox.open_relay(handler)
     client = asyncio.ensure_future(
         sandbox.python(f"import urllib.request\nurllib.request.urlopen('{gateway.url}/wait').read()", timeout_s=60)
     )
@@ -578,7 +578,7 @@ async def test_closing_the_sandbox_closes_its_gateways_first(fake_provider: Fake
     assert refused(gateway.port) and refused(idle.port)
     await asyncio.gather(client, return_exceptions=True)
     with pytest.raises(SandboxError, match="closed"):
-        await sandbox.open_gateway(handler)
+        await sandbox.open_relay(handler)
 
 
 async def test_the_official_openai_sdk_streams_through_the_gateway(sandbox: Sandbox) -> None:
@@ -605,7 +605,7 @@ async def test_the_official_openai_sdk_streams_through_the_gateway(sandbox: Sand
         assert json.loads(request.body)["stream"] is True
         return HttpResponse(200, {"content-type": "text/event-stream"}, chunks())
 
-    gateway = await sandbox.open_gateway(handler)
+    gateway = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
         gateway,
@@ -630,5 +630,5 @@ async def test_without_the_runtime_there_is_no_gateway() -> None:
         return HttpResponse(200)
 
     with pytest.raises(SandboxError) as error:
-        await runtime.open_gateway(handler)
+        await runtime.open_relay(handler)
     assert error.value.reason == "gateway_needs_runtime" and "python3" in error.value.message

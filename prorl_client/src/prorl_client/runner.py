@@ -53,12 +53,13 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 import grpc
-from google.protobuf.json_format import MessageToDict, ParseDict
+from google.protobuf.json_format import ParseDict
 
-from prorl_client import cli_common, swe_import, v1
+from prorl_client import cli_common, harbor_import, jobs_cli, swe_import, tail, v1
 from prorl_client._client import Client
 from prorl_client._errors import RpcError
 from prorl_client.display import RunDisplay, print_summary
+from prorl_client.records import result_record
 from prorl_client.task_lines import LineError, read_task_lines
 
 JOB_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
@@ -156,40 +157,6 @@ def build_request(
     request = v1.RolloutRequest()
     ParseDict(body, request)
     return request
-
-
-def result_record(
-    task_id: str,
-    sample: int,
-    result: v1.RolloutResult,
-    *,
-    handler: str = "",
-    timeline: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    trajectory = result.trajectory
-    return {
-        "task_id": task_id,
-        "sample": sample,
-        "job_id": result.job_id,
-        "handler": handler,
-        "status": v1.JobStatus.Name(result.status),
-        "reward": result.reward,
-        "failure": MessageToDict(result.failure) if result.HasField("failure") else None,
-        "messages": [MessageToDict(m) for m in trajectory.messages],
-        "token_ids": list(trajectory.token_ids),
-        "loss_mask": list(trajectory.loss_mask),
-        "logprobs": [float(x) for x in trajectory.logprobs],
-        "turn_policy_versions": list(trajectory.turn_policy_versions),
-        # Where each turn's sampled ids are in token_ids (token backends), with its policy version.
-        "turn_spans": [
-            MessageToDict(span, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
-            for span in trajectory.turn_spans
-        ],
-        "num_turns": trajectory.num_turns,
-        "timing": MessageToDict(result.timing),
-        "details": MessageToDict(result.details),
-        "timeline": timeline or [],
-    }
 
 
 def _seconds(duration: Any) -> float:
@@ -658,12 +625,6 @@ def main(argv: list[str] | None = None) -> int:
         "or its folder (needs tokenizers); token ids only without it",
     )
     swe_import.add_parser(commands)
-    from prorl_client import (
-        harbor_import,
-        jobs_cli,
-        tail,
-    )  # here: tail writes its records with this module's result_record
-
     tail.add_parser(commands)
     harbor_import.add_parser(commands)
     jobs_cli.add_parsers(commands)

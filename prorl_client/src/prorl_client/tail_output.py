@@ -13,7 +13,7 @@ from typing import IO, Any, Protocol
 from google.protobuf.json_format import MessageToDict
 
 from prorl_client import v1
-from prorl_client.runner import result_record
+from prorl_client.records import result_record
 
 EXIT_ERROR = 1
 STATUSES = {

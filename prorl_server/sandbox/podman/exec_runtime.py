@@ -47,7 +47,7 @@ from prorl_server.sandbox.runtime.protocol import (
     WriteFileRequest,
     WriteFileResponse,
 )
-from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler
+from prorl_server.sandbox.runtime.relay import RelayHandle, RelayHandler
 
 # Exit codes of coreutils `timeout`: 124 after the signal, 137 after -k's KILL.
 TIMEOUT_EXIT_CODES = (124, 137)
@@ -218,11 +218,11 @@ class ExecRuntime(SandboxRuntime):
             reason="judge_needs_runtime",
         )
 
-    async def open_gateway(self, handler: GatewayHandler, *, port: int = 0) -> GatewayHandle:
-        """The gateway is the in-sandbox runtime's listener: without it there is nothing
+    async def open_relay(self, handler: RelayHandler, *, port: int = 0) -> RelayHandle:
+        """The relay is the in-sandbox runtime's listener: without it there is nothing
         inside to listen, and the sandbox has no network to reach the server by."""
         raise SandboxError(
-            "an HTTP gateway into the sandbox needs the in-sandbox runtime, and this sandbox's image has no "
+            "the model gateway's relay into the sandbox needs the in-sandbox runtime, and this sandbox's image has no "
             "python3: use an image with python3",
             reason="gateway_needs_runtime",
         )

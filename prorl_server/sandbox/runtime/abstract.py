@@ -33,7 +33,7 @@ from prorl_server.sandbox.runtime.protocol import (
     WriteFileRequest,
     WriteFileResponse,
 )
-from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler
+from prorl_server.sandbox.runtime.relay import RelayHandle, RelayHandler
 
 RuntimeMode = Literal["runtime", "exec"]
 
@@ -79,11 +79,11 @@ class SandboxRuntime(abc.ABC):
         raise SandboxError(f"a {self.mode} runtime cannot reset its sandbox", reason="reset_unsupported")
 
     @abc.abstractmethod
-    async def open_gateway(self, handler: GatewayHandler, *, port: int = 0) -> GatewayHandle:
+    async def open_relay(self, handler: RelayHandler, *, port: int = 0) -> RelayHandle:
         """Listen for HTTP on the sandbox's own loopback (127.0.0.1:port; 0: any free port) and
         relay each request to `handler` (runtime/relay.py), its response back as it is
         produced: a program inside reaches the server while the sandbox has no network.
-        The handle names the port bound; closing the runtime closes its gateways."""
+        The handle names the port bound; closing the runtime closes its relays."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -3,8 +3,8 @@
 The in-sandbox runtime listens on the sandbox's own loopback and hands each
 HTTP request it receives to the server over its Unix socket; the server
 answers with a status, headers and a body that may stream. These are the
-values on the server's side: the relay (socket_gateway.py) builds an
-`HttpRequest` and runs a `GatewayHandler` on it; the model gateway
+values on the server's side: the relay (socket_relay.py) builds an
+`HttpRequest` and runs a `RelayHandler` on it; the model gateway
 (prorl_server/gateway/) is such a handler.
 """
 
@@ -41,14 +41,14 @@ class HttpResponse:
     relayed to the program as soon as it is produced."""
 
 
-GatewayHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+RelayHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 """Answers one relayed request. Cancelled when the program closes its connection."""
 
 
-class GatewayHandle(abc.ABC):
-    """An open gateway: the sandbox's runtime listens on its loopback at `port` and relays
+class RelayHandle(abc.ABC):
+    """An open relay: the sandbox's runtime listens on its loopback at `port` and relays
     what it receives to a handler. `close()` stops it (the port refuses connections once it
-    returns); it is idempotent. A gateway also closes when its sandbox does."""
+    returns); it is idempotent. A relay also closes when its sandbox does."""
 
     @property
     @abc.abstractmethod

@@ -45,8 +45,8 @@ from prorl_server.sandbox.runtime.protocol import (
     WriteFileRequest,
     WriteFileResponse,
 )
-from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler
-from prorl_server.sandbox.runtime.socket_gateway import SocketGateway
+from prorl_server.sandbox.runtime.relay import RelayHandle, RelayHandler
+from prorl_server.sandbox.runtime.socket_relay import SocketRelay
 
 # Seconds the server waits beyond a call's own timeout before declaring the runtime lost.
 CALL_GRACE_S = 15.0
@@ -85,7 +85,7 @@ class SocketRuntime(SandboxRuntime):
         self._max_output_bytes = max_output_bytes
         self._inspector = inspector
         self._closed = False
-        self._gateways: list[SocketGateway] = []
+        self._relays: list[SocketRelay] = []
 
     async def bash(self, request: BashRequest) -> BashResponse:
         reply = await self._call(request.op, request.timeout_s, {"command": request.command})
@@ -151,25 +151,25 @@ class SocketRuntime(SandboxRuntime):
             failed={str(path): str(why) for path, why in (reply.get("failed") or {}).items()},
         )
 
-    async def open_gateway(self, handler: GatewayHandler, *, port: int = 0) -> GatewayHandle:
-        """On a connection of its own to the runtime (runtime/socket_gateway.py)."""
+    async def open_relay(self, handler: RelayHandler, *, port: int = 0) -> RelayHandle:
+        """On a connection of its own to the runtime (runtime/socket_relay.py)."""
         if self._closed:
             raise SandboxError("the sandbox is closed")
-        gateway = await SocketGateway.open(self._client.socket_path, handler, port=port)
+        relay = await SocketRelay.open(self._client.socket_path, handler, port=port)
         if self._closed:  # closed meanwhile
-            await gateway.close()
+            await relay.close()
             raise SandboxError("the sandbox is closed")
-        self._gateways = [*(item for item in self._gateways if not item.closed), gateway]
-        return gateway
+        self._relays = [*(item for item in self._relays if not item.closed), relay]
+        return relay
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        gateways, self._gateways = self._gateways, []
-        for gateway in gateways:
+        relays, self._relays = self._relays, []
+        for relay in relays:
             with contextlib.suppress(Exception):
-                await gateway.close()
+                await relay.close()
         await self._client.close()
 
     # --- calls and blame --------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""The runtime's end of the HTTP relay (the `gateway` operation).
+"""The runtime's end of the HTTP relay (wire.OP_RELAY, the operation named "gateway" on the wire).
 
-`gateway` (on a connection of its own) makes the runtime listen for HTTP on the
+That operation (on a connection of its own) makes the runtime listen for HTTP on the
 sandbox's own loopback and relay each request to the server on that connection,
-which becomes a relay channel: frames {wire.GW: k, wire.TYPE: ...} both ways, k naming one
+which becomes a relay channel: frames {wire.EXCHANGE: k, wire.TYPE: ...} both ways, k naming one
 exchange (one HTTP request and its response).
   runtime -> server: "request" (method, path, headers [[name, value], ...], body_b64);
                      "cancel" (the program went away before the response ended).
@@ -25,9 +25,9 @@ import time
 from . import wire
 from .http_request import (
     DIGITS,
-    GATEWAY_MAX_BODY,
     HOP_BY_HOP,
     HTTP_TOKEN,
+    RELAY_MAX_BODY,
     UNSAFE_TEXT,
     HttpError,
     api_of,
@@ -39,19 +39,19 @@ from .http_request import (
 )
 from .wire import HEADER, encode_frame, errno_of, recv_frame
 
-GATEWAY_HOSTS = ("127.0.0.1", "::1")
-GATEWAY_MAX_BUFFERED = 64 << 20
+RELAY_HOSTS = ("127.0.0.1", "::1")
+RELAY_MAX_BUFFERED = 64 << 20
 """Response bytes (base64) received for one exchange and not yet written to the program:
 a program that reads slower than the server sends past this has its exchange cut."""
-GATEWAY_IDLE_S = 300.0
-GATEWAY_POLL_S = 0.25
+RELAY_IDLE_S = 300.0
+RELAY_POLL_S = 0.25
 """While a response is awaited, the program's connection is looked at this often (EOF: cancel)."""
-GATEWAY_FLUSH_BYTES = 1 << 20
+RELAY_FLUSH_BYTES = 1 << 20
 """Response bytes gathered before a write even when more have arrived."""
-GATEWAY_BODY_SLICE = 3 << 20  # a multiple of 3: base64 of the slices joined is that of the whole
+RELAY_BODY_SLICE = 3 << 20  # a multiple of 3: base64 of the slices joined is that of the whole
 
 
-class GatewayExchange:
+class RelayExchange:
     """The frames the server sent for one exchange, waiting for its program's connection."""
 
     def __init__(self):
@@ -63,7 +63,7 @@ class GatewayExchange:
         """Queue `frame`; False (and the exchange cut) when too much is waiting."""
         with self.cond:
             self.buffered += size
-            if self.buffered > GATEWAY_MAX_BUFFERED:
+            if self.buffered > RELAY_MAX_BUFFERED:
                 self.frames.clear()
                 self.frames.append(({wire.TYPE: "overflow"}, 0))
                 self.cond.notify()
@@ -83,14 +83,14 @@ class GatewayExchange:
             return frame
 
 
-class Gateway:
+class Relay:
     """A loopback HTTP listener relaying to the server over `conn` (see above).
 
     Threads: the connection's own (read_loop: frames from the server), one accepting,
     one per program connection. Every fd it opens is close-on-exec, so nothing the
     agent starts inherits them."""
 
-    def __init__(self, conn, send_lock, max_body=GATEWAY_MAX_BODY):
+    def __init__(self, conn, send_lock, max_body=RELAY_MAX_BODY):
         self.conn = conn
         self.send_lock = send_lock
         self.max_body = max_body
@@ -113,26 +113,26 @@ class Gateway:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((GATEWAY_HOSTS[0], port))
+            listener.bind((RELAY_HOSTS[0], port))
             listener.listen(128)
         except BaseException:
             listener.close()
             raise
         self.listeners.append(listener)
         bound = listener.getsockname()[1]
-        hosts = [GATEWAY_HOSTS[0]]
+        hosts = [RELAY_HOSTS[0]]
         try:
             listener6 = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
             try:
                 listener6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 listener6.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener6.bind((GATEWAY_HOSTS[1], bound))
+                listener6.bind((RELAY_HOSTS[1], bound))
                 listener6.listen(128)
             except BaseException:
                 listener6.close()
                 raise
             self.listeners.append(listener6)
-            hosts.append(GATEWAY_HOSTS[1])
+            hosts.append(RELAY_HOSTS[1])
         except (OSError, AttributeError):
             pass  # no IPv6 here, or its port is taken: IPv4 only
         for item in self.listeners:
@@ -174,7 +174,7 @@ class Gateway:
 
     def send(self, message, body=None):
         """One frame; with `body`, it is base64-encoded into the frame's body_b64 in slices,
-        never all at once in memory. Nothing is sent once the gateway is closed."""
+        never all at once in memory. Nothing is sent once the relay is closed."""
         if body is None:
             data, parts = encode_frame(message), ()
         else:
@@ -182,7 +182,7 @@ class Gateway:
             head = (text[:-1] + (", " if len(text) > 2 else "") + '"body_b64": "').encode("utf-8")
             size = len(head) + 4 * ((len(body) + 2) // 3) + 2
             data = HEADER.pack(size) + head
-            parts = range(0, len(body), GATEWAY_BODY_SLICE)
+            parts = range(0, len(body), RELAY_BODY_SLICE)
         with self.send_lock:
             if self.closed:
                 return
@@ -191,14 +191,14 @@ class Gateway:
                 if body is not None:
                     view = memoryview(body)
                     for start in parts:
-                        self.conn.sendall(base64.b64encode(view[start : start + GATEWAY_BODY_SLICE]))
+                        self.conn.sendall(base64.b64encode(view[start : start + RELAY_BODY_SLICE]))
                     self.conn.sendall(b'"}')
             except OSError:
                 pass
 
     def cancel(self, number):
         self.forget(number)
-        self.send({wire.GW: number, wire.TYPE: wire.RELAY_CANCEL})
+        self.send({wire.EXCHANGE: number, wire.TYPE: wire.RELAY_CANCEL})
 
     def forget(self, number):
         with self.lock:
@@ -215,7 +215,7 @@ class Gateway:
                     return
                 if not isinstance(frame, dict):
                     continue
-                number = frame.get(wire.GW)
+                number = frame.get(wire.EXCHANGE)
                 with self.lock:
                     exchange = self.exchanges.get(number)
                 if exchange is None:
@@ -264,7 +264,7 @@ class Gateway:
             self.clients.add(sock)
         reader = None
         try:
-            sock.settimeout(GATEWAY_IDLE_S)
+            sock.settimeout(RELAY_IDLE_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each write goes out at once
             reader = sock.makefile("rb")
             while self.serve_request(sock, reader):
@@ -305,13 +305,13 @@ class Gateway:
             else:
                 self.counter += 1
                 number = self.counter
-                exchange = self.exchanges[number] = GatewayExchange()
+                exchange = self.exchanges[number] = RelayExchange()
         if exchange is None:
             send_error(sock, 503, "the gateway is closed", api_of(path))
             return False
         try:
             message = {
-                wire.GW: number,
+                wire.EXCHANGE: number,
                 wire.TYPE: wire.RELAY_REQUEST,
                 "method": method,
                 "path": path,
@@ -327,7 +327,7 @@ class Gateway:
         """The server's next frame for this exchange; None (and the server told to cancel)
         once the program has gone."""
         while True:
-            frame = exchange.get(GATEWAY_POLL_S)
+            frame = exchange.get(RELAY_POLL_S)
             if frame is not None:
                 return frame
             if peer_gone(sock):
@@ -376,7 +376,7 @@ class Gateway:
                     if data:
                         pending.append(b"%x\r\n%s\r\n" % (len(data), data) if mode == "chunked" else data)
                         written += len(data)
-                    if sum(len(item) for item in pending) >= GATEWAY_FLUSH_BYTES:
+                    if sum(len(item) for item in pending) >= RELAY_FLUSH_BYTES:
                         sock.sendall(b"".join(pending))
                         pending = []
                     continue
@@ -432,24 +432,24 @@ def response_head(frame, status, method, version, keep):
     return head.encode("latin-1", "replace"), mode, length, keep
 
 
-def serve_gateway(conn, send_lock, request):
-    """Serve `gateway` on `conn`, which is the relay channel from the answer on, until the
+def serve_relay(conn, send_lock, request):
+    """Serve the relay's opening `request` on `conn`, which is the relay channel from the answer on, until the
     server closes it; False (the connection stays an ordinary one) when it could not listen."""
     max_body = request.get("max_body")
-    if not isinstance(max_body, int) or isinstance(max_body, bool) or not 0 < max_body <= GATEWAY_MAX_BODY:
-        max_body = GATEWAY_MAX_BODY
-    gateway = Gateway(conn, send_lock, max_body)
+    if not isinstance(max_body, int) or isinstance(max_body, bool) or not 0 < max_body <= RELAY_MAX_BODY:
+        max_body = RELAY_MAX_BODY
+    relay = Relay(conn, send_lock, max_body)
     try:
-        port, hosts = gateway.bind(int(request.get("port") or 0))
+        port, hosts = relay.bind(int(request.get("port") or 0))
         with send_lock:  # the answer goes out before any request frame
-            gateway.acceptor = threading.Thread(target=gateway.accept_loop, daemon=True)
-            gateway.acceptor.start()
+            relay.acceptor = threading.Thread(target=relay.accept_loop, daemon=True)
+            relay.acceptor.start()
             conn.sendall(encode_frame({wire.ID: request.get(wire.ID), wire.OK: True, "port": port, "hosts": hosts}))
     except Exception as exc:
-        started = gateway.acceptor is not None and gateway.acceptor.is_alive()
+        started = relay.acceptor is not None and relay.acceptor.is_alive()
         if not started:
-            gateway.acceptor = None
-        gateway.close()
+            relay.acceptor = None
+        relay.close()
         if started:
             return True  # the answer could not be sent: the connection is gone
         reply = {wire.ID: request.get(wire.ID), wire.OK: False, wire.ERROR: "%s: %s" % (type(exc).__name__, exc)}
@@ -461,7 +461,7 @@ def serve_gateway(conn, send_lock, request):
                 return True
         return False
     try:
-        gateway.read_loop()
+        relay.read_loop()
     finally:
-        gateway.close()
+        relay.close()
     return True

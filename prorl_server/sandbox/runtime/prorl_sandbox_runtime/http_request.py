@@ -10,15 +10,31 @@ import re
 import select
 import socket
 
-GATEWAY_MAX_BODY = 64 << 20
+RELAY_MAX_BODY = 64 << 20
 """A larger request body is refused with 413 (the server may ask for less: `max_body`), from its
 declared length before any of it is read, or as soon as a chunked body grows past it."""
-GATEWAY_MAX_LINE = 65536
-GATEWAY_MAX_HEADERS = 100
-GATEWAY_MAX_HEADER_BYTES = 256 << 10
+RELAY_MAX_LINE = 65536
+RELAY_MAX_HEADERS = 100
+RELAY_MAX_HEADER_BYTES = 256 << 10
 HOP_BY_HOP = frozenset(
-    ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "content-length"]
+    [
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+    ]
 )
+"""The response fields that stop at a hop, dropped from a handler's answer by the sandbox's relay
+and by the gateway port alike (the one list both use): the hop-by-hop fields of RFC 7230
+section 6.1 (Connection, Keep-Alive, Proxy-Authenticate, Proxy-Authorization, TE, Trailer,
+Transfer-Encoding, Upgrade, as RFC 2616 section 13.5.1 lists them) and Proxy-Connection (RFC
+9110 section 7.6.1), plus Content-Length: each end frames the body it sends itself."""
 # Matched with fullmatch (`$` would let a trailing newline through).
 HTTP_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 HTTP_VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")
@@ -28,7 +44,7 @@ UNSAFE_TEXT = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class HttpError(Exception):
-    """A request the gateway refuses: answered with `status`, then the connection is closed;
+    """A request the relay refuses: answered with `status`, then the connection is closed;
     in the error format of the request's API (`api`: see api_of)."""
 
     def __init__(self, status, message, api="openai"):
@@ -116,8 +132,8 @@ def send_error(sock, status, message, api="openai"):
 
 
 def _read_line(reader, what):
-    line = reader.readline(GATEWAY_MAX_LINE + 1)
-    if len(line) > GATEWAY_MAX_LINE:
+    line = reader.readline(RELAY_MAX_LINE + 1)
+    if len(line) > RELAY_MAX_LINE:
         raise HttpError(431 if what == "header" else 414 if what == "request line" else 400, "%s too long" % what)
     if not line.endswith(b"\n"):
         raise HttpError(400, "incomplete %s" % what)
@@ -142,7 +158,7 @@ def _read_chunked(reader, max_body, path):
         body += data
         if _read_line(reader, "chunk") not in (b"\r\n", b"\n"):
             raise HttpError(400, "malformed chunk")
-    for _ in range(GATEWAY_MAX_HEADERS + 1):  # trailers: read and dropped
+    for _ in range(RELAY_MAX_HEADERS + 1):  # trailers: read and dropped
         if _read_line(reader, "trailer") in (b"\r\n", b"\n"):
             return body
     raise HttpError(431, "too many trailers")
@@ -161,19 +177,19 @@ def _request_target(target):
     raise HttpError(400, "malformed request target")
 
 
-def read_http_request(reader, sock, max_body=GATEWAY_MAX_BODY):
+def read_http_request(reader, sock, max_body=RELAY_MAX_BODY):
     """One HTTP/1.x request from `reader` (the program's connection `sock`): (method, target,
     version, headers [[name, value], ...], body, keep_alive), or None at a clean EOF. A
     chunked body is returned whole, its headers then saying Content-Length instead. A body
     over `max_body` is refused (413) before it is read."""
-    line = reader.readline(GATEWAY_MAX_LINE + 1)
+    line = reader.readline(RELAY_MAX_LINE + 1)
     for _ in range(8):  # empty lines before a request are tolerated
         if line not in (b"\r\n", b"\n"):
             break
-        line = reader.readline(GATEWAY_MAX_LINE + 1)
+        line = reader.readline(RELAY_MAX_LINE + 1)
     if not line:
         return None
-    if len(line) > GATEWAY_MAX_LINE:
+    if len(line) > RELAY_MAX_LINE:
         raise HttpError(414, "request line too long")
     if not line.endswith(b"\n"):
         raise HttpError(400, "incomplete request line")
@@ -202,7 +218,7 @@ def _read_rest(reader, sock, max_body, method, path, version):
     while True:
         line = _read_line(reader, "header")
         total += len(line)
-        if total > GATEWAY_MAX_HEADER_BYTES:
+        if total > RELAY_MAX_HEADER_BYTES:
             raise HttpError(431, "headers too large")
         if line in (b"\r\n", b"\n"):
             break
@@ -213,7 +229,7 @@ def _read_rest(reader, sock, max_body, method, path, version):
         if not sep or not HTTP_TOKEN.fullmatch(name) or UNSAFE_TEXT.search(value):
             raise HttpError(400, "malformed header")
         headers.append([name, value])
-        if len(headers) > GATEWAY_MAX_HEADERS:
+        if len(headers) > RELAY_MAX_HEADERS:
             raise HttpError(431, "too many headers")
 
     def values(wanted):

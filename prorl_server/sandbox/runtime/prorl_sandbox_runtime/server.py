@@ -17,7 +17,7 @@ from . import wire
 from .bash import BashSession
 from .capped import DEFAULT_CAP, CappedBuffer, capped
 from .editor import Editor, ToolError, resolve_path
-from .http_relay import serve_gateway
+from .http_relay import serve_relay
 from .judge_launcher import run_judge
 from .python_worker import PythonSession
 from .reset import reset_runtime
@@ -133,8 +133,8 @@ def serve_connection(runtime, conn):
             request = recv_frame(conn)
             if request is None:
                 return
-            if request.get(wire.OP) == wire.OP_GATEWAY:  # the connection becomes the gateway's relay channel
-                if serve_gateway(conn, send_lock, request):
+            if request.get(wire.OP) == wire.OP_RELAY:  # the connection becomes a relay channel
+                if serve_relay(conn, send_lock, request):
                     return
                 continue
             try:

@@ -7,7 +7,7 @@ request itself could not be served. The HTTP relay's frames name their exchange
 by "gw" and say what they are by "type" (see RELAY_*).
 
 Imported by the in-sandbox runtime and judge (python3 3.8+, stdlib only) and by
-the server (runtime/client.py, runtime/socket_gateway.py), so the two ends
+the server (runtime/client.py, runtime/socket_relay.py), so the two ends
 cannot drift apart. Typed for the server's strict checks, in syntax and imports that
 3.5 still loads: the judge's runner children run on a SWE-bench testbed's own Python.
 """
@@ -99,7 +99,8 @@ OK = "ok"  # type: Final
 ERROR = "error"  # type: Final
 ERRNO = "errno"  # type: Final
 
-# Operations: what `op` names. `gateway` turns its connection into an HTTP relay channel.
+# Operations: what `op` names. OP_RELAY ("gateway" on the wire, for the model gateway it
+# serves) turns its connection into an HTTP relay channel.
 OP_HEALTH = "health"  # type: Final
 OP_BASH = "bash"  # type: Final
 OP_PYTHON = "python"  # type: Final
@@ -109,16 +110,16 @@ OP_WRITE_FILE = "write_file"  # type: Final
 OP_LIST_DIR = "list_dir"  # type: Final
 OP_RESET = "reset"  # type: Final
 OP_JUDGE = "judge"  # type: Final
-OP_GATEWAY = "gateway"  # type: Final
+OP_RELAY = "gateway"  # type: Final
 OPS = (OP_HEALTH, OP_BASH, OP_PYTHON, OP_EDIT, OP_READ_FILE, OP_WRITE_FILE, OP_LIST_DIR, OP_RESET, OP_JUDGE)
-"""The operations of a runtime connection (OP_GATEWAY, the relay's opening, aside)."""
+"""The operations of a runtime connection (OP_RELAY, the relay's opening, aside)."""
 
 # Fields of a request the runtime reads whatever its op.
 TIMEOUT_S = "timeout_s"  # type: Final
 MAX_OUTPUT_BYTES = "max_output_bytes"  # type: Final
 
-# The HTTP relay: every frame names its exchange by GW and says what it is by TYPE.
-GW = "gw"  # type: Final
+# The HTTP relay: every frame names its exchange by EXCHANGE and says what it is by TYPE.
+EXCHANGE = "gw"  # type: Final
 TYPE = "type"  # type: Final
 RELAY_REQUEST = "request"  # type: Final
 """runtime -> server: method, path, headers [[name, value], ...], body_b64."""

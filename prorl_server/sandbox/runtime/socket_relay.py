@@ -1,6 +1,6 @@
 """The server's end of the HTTP relay: a loopback endpoint inside a network-less sandbox.
 
-`SocketGateway.open` connects to the in-sandbox runtime's Unix socket on a
+`SocketRelay.open` connects to the in-sandbox runtime's Unix socket on a
 connection of its own and sends `{"id": 1, "op": "gateway", "port": P, "max_body": B}`;
 the runtime listens on the sandbox's loopback (127.0.0.1:P, P=0 any free port),
 answers 413 to any request whose body would exceed B bytes before reading it, and
@@ -17,7 +17,7 @@ each naming its exchange (one HTTP request and its response) by `gw`:
                        {"gw": k, "type": "end"}        or with "error": the body broke off
 
 Each request is served in an asyncio task of its own that awaits the
-`GatewayHandler` (relay.py); a body given whole is relayed with its
+`RelayHandler` (relay.py); a body given whole is relayed with its
 Content-Length, an async iterator piece by piece as it yields (the runtime
 writes those with chunked encoding, flushed at once: server-sent events arrive
 as they are produced). A `cancel` cancels the handler's task; a handler that
@@ -45,7 +45,7 @@ import structlog
 from prorl_server.errors import SandboxError
 from prorl_server.sandbox.runtime.client import RuntimeOpFailed
 from prorl_server.sandbox.runtime.prorl_sandbox_runtime import wire
-from prorl_server.sandbox.runtime.relay import GatewayHandle, GatewayHandler, HttpRequest, HttpResponse
+from prorl_server.sandbox.runtime.relay import HttpRequest, HttpResponse, RelayHandle, RelayHandler
 
 log = structlog.get_logger(__name__)
 
@@ -104,14 +104,14 @@ def _request_of(frame: dict[str, Any]) -> HttpRequest:
     return HttpRequest(method=method, path=path, headers=headers, body=body)
 
 
-class SocketGateway(GatewayHandle):
-    """A gateway over a dedicated connection to the in-sandbox runtime (see the module's docstring)."""
+class SocketRelay(RelayHandle):
+    """A relay over a dedicated connection to the in-sandbox runtime (see the module's docstring)."""
 
     def __init__(
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-        handler: GatewayHandler,
+        handler: RelayHandler,
         *,
         port: int,
         hosts: list[str],
@@ -131,12 +131,12 @@ class SocketGateway(GatewayHandle):
     async def open(
         cls,
         socket_path: str,
-        handler: GatewayHandler,
+        handler: RelayHandler,
         *,
         port: int = 0,
         timeout_s: float = OPEN_TIMEOUT_S,
         max_body_bytes: int | None = None,
-    ) -> SocketGateway:
+    ) -> SocketRelay:
         """Connect to the runtime at `socket_path` and have it listen on `port` (0: any free
         one), refusing bodies over `max_body_bytes` (None: the handler's `max_request_bytes`,
         else the runtime's own 64 MiB). SandboxError when the runtime cannot be reached,
@@ -151,12 +151,12 @@ class SocketGateway(GatewayHandle):
                 reader, writer = await asyncio.open_unix_connection(socket_path)
         except (OSError, TimeoutError) as exc:
             raise SandboxError(
-                f"cannot reach the sandbox runtime to open a gateway: {str(exc) or type(exc).__name__}",
+                f"cannot reach the sandbox runtime to open the HTTP relay: {str(exc) or type(exc).__name__}",
                 reason="sandbox_lost",
             ) from exc
         try:
             async with asyncio.timeout(timeout_s):
-                opening: dict[str, Any] = {wire.ID: 1, wire.OP: wire.OP_GATEWAY, "port": port}
+                opening: dict[str, Any] = {wire.ID: 1, wire.OP: wire.OP_RELAY, "port": port}
                 if max_body_bytes is not None:
                     opening["max_body"] = max_body_bytes
                 writer.write(_encode(opening))
@@ -167,7 +167,7 @@ class SocketGateway(GatewayHandle):
             if not reply.get("ok"):
                 number = reply.get("errno")
                 raise RuntimeOpFailed(
-                    f"the sandbox runtime could not open a gateway on port {port}: {str(reply.get('error'))[:500]}",
+                    f"the sandbox runtime could not open the relay on port {port}: {str(reply.get('error'))[:500]}",
                     errno=number if isinstance(number, int) else None,
                 )
             bound = reply.get("port")
@@ -176,15 +176,16 @@ class SocketGateway(GatewayHandle):
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError, ValueError) as exc:
             writer.close()
             raise SandboxError(
-                f"the sandbox runtime did not open a gateway: {str(exc) or type(exc).__name__}", reason="sandbox_lost"
+                f"the sandbox runtime did not open the HTTP relay: {str(exc) or type(exc).__name__}",
+                reason="sandbox_lost",
             ) from exc
         except BaseException:
             writer.close()
             raise
         hosts = [str(host) for host in reply.get("hosts") or ["127.0.0.1"]]
-        gateway = cls(reader, writer, handler, port=bound, hosts=hosts)
-        gateway._read_task = asyncio.create_task(gateway._read_loop(), name=f"gateway-reader:{bound}")
-        return gateway
+        relay = cls(reader, writer, handler, port=bound, hosts=hosts)
+        relay._read_task = asyncio.create_task(relay._read_loop(), name=f"relay-reader:{bound}")
+        return relay
 
     @property
     def port(self) -> int:
@@ -213,11 +214,11 @@ class SocketGateway(GatewayHandle):
                 frame = await _read_frame(self._reader)
                 if not isinstance(frame, dict):
                     continue
-                number, kind = frame.get(wire.GW), frame.get(wire.TYPE)
+                number, kind = frame.get(wire.EXCHANGE), frame.get(wire.TYPE)
                 if not isinstance(number, int):
                     continue
                 if kind == wire.RELAY_REQUEST and number not in self._tasks and not self._closed:
-                    task = asyncio.create_task(self._serve(number, frame), name=f"gateway:{self._port}:{number}")
+                    task = asyncio.create_task(self._serve(number, frame), name=f"relay:{self._port}:{number}")
                     self._tasks[number] = task
                     task.add_done_callback(functools.partial(self._forget, number))
                 elif kind == wire.RELAY_CANCEL and number in self._tasks:
@@ -235,12 +236,12 @@ class SocketGateway(GatewayHandle):
         if self._tasks.get(number) is task:
             del self._tasks[number]
         if not task.cancelled() and task.exception() is not None:
-            log.error("gateway_relay_failed", port=self._port, error=repr(task.exception()))
+            log.error("relay_exchange_failed", port=self._port, error=repr(task.exception()))
 
     async def _send(self, *messages: Mapping[str, Any]) -> None:
         """Frames, in one write."""
         if self._closed:
-            raise ConnectionResetError("the gateway is closed")
+            raise ConnectionResetError("the relay is closed")
         self._writer.write(b"".join(_encode(message) for message in messages))
         await self._writer.drain()
 
@@ -263,7 +264,7 @@ class SocketGateway(GatewayHandle):
                 response = _checked(await self._handler(request))
             except Exception as exc:
                 log.warning(
-                    "gateway_handler_failed", port=self._port, method=request.method, path=request.path, exc_info=exc
+                    "relay_handler_failed", port=self._port, method=request.method, path=request.path, exc_info=exc
                 )
                 response = error_response(500, f"the gateway's handler failed ({type(exc).__name__})")
             await self._respond(number, response)
@@ -290,12 +291,17 @@ class SocketGateway(GatewayHandle):
             body = bytes(body)
             if not any(name.lower() == "content-length" for name, _ in headers):
                 headers.append(["content-length", str(len(body))])
-        head = {wire.GW: number, wire.TYPE: wire.RELAY_RESPONSE, "status": int(response.status), "headers": headers}
+        head = {
+            wire.EXCHANGE: number,
+            wire.TYPE: wire.RELAY_RESPONSE,
+            "status": int(response.status),
+            "headers": headers,
+        }
         if isinstance(body, bytes):
-            end = {wire.GW: number, wire.TYPE: wire.RELAY_END}
+            end = {wire.EXCHANGE: number, wire.TYPE: wire.RELAY_END}
             if len(body) <= PIECE_BYTES:  # the whole response in one write
                 data = (
-                    [{wire.GW: number, wire.TYPE: wire.RELAY_CHUNK, "data_b64": base64.b64encode(body).decode()}]
+                    [{wire.EXCHANGE: number, wire.TYPE: wire.RELAY_CHUNK, "data_b64": base64.b64encode(body).decode()}]
                     if body
                     else []
                 )
@@ -315,9 +321,13 @@ class SocketGateway(GatewayHandle):
         except (asyncio.CancelledError, ConnectionError, OSError):
             raise
         except Exception as exc:
-            log.warning("gateway_body_failed", port=self._port, exc_info=exc)
+            log.warning("relay_body_failed", port=self._port, exc_info=exc)
             await self._send(
-                {wire.GW: number, wire.TYPE: wire.RELAY_END, "error": f"the body broke off ({type(exc).__name__})"}
+                {
+                    wire.EXCHANGE: number,
+                    wire.TYPE: wire.RELAY_END,
+                    "error": f"the body broke off ({type(exc).__name__})",
+                }
             )
             return
         finally:
@@ -325,12 +335,12 @@ class SocketGateway(GatewayHandle):
             if close is not None:
                 with contextlib.suppress(Exception):
                     await close()
-        await self._send({wire.GW: number, wire.TYPE: wire.RELAY_END})
+        await self._send({wire.EXCHANGE: number, wire.TYPE: wire.RELAY_END})
 
     async def _send_data(self, number: int, data: bytes) -> None:
         for start in range(0, len(data), PIECE_BYTES):
             piece = base64.b64encode(data[start : start + PIECE_BYTES]).decode()
-            await self._send({wire.GW: number, wire.TYPE: wire.RELAY_CHUNK, "data_b64": piece})
+            await self._send({wire.EXCHANGE: number, wire.TYPE: wire.RELAY_CHUNK, "data_b64": piece})
 
     async def _close(self) -> None:
         self._closed = True
@@ -353,4 +363,4 @@ class SocketGateway(GatewayHandle):
             await self._writer.wait_closed()
 
     def __repr__(self) -> str:
-        return f"SocketGateway(port={self._port}, closed={self._closed}, in_flight={len(self._tasks)})"
+        return f"SocketRelay(port={self._port}, closed={self._closed}, in_flight={len(self._tasks)})"
