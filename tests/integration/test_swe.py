@@ -4,6 +4,7 @@ submission is the repository's own diff, whatever the model says."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -50,19 +51,23 @@ async def run_swe(client: Any, instance: dict[str, Any]) -> tuple[v1.RolloutResu
 
 @pytest.mark.parametrize("name", sorted(TASKS))
 async def test_gold_patch_resolves_and_empty_patch_does_not(name: str, scripted_llm, start_server) -> None:
+    """Both rollouts at once, each on a server of its own: a judged run over SymPy's test
+    file takes minutes on one core, and the two need not wait for each other."""
     instance = TASKS[name]
     gold = await scripted_llm(apply_gold(instance))
-    _, client = await start_server(gold.base_url)
-    result, _ = await run_swe(client, instance)
+    empty = await scripted_llm(script_of(tool_call_text("finish", {})))
+    _, gold_client = await start_server(gold.base_url)
+    _, empty_client = await start_server(empty.base_url)
+    (result, _), (empty_result, _) = await asyncio.gather(
+        run_swe(gold_client, instance), run_swe(empty_client, instance)
+    )
     assert result.reward == 1.0, result.details
     assert result.details["verdict"] == "resolved"
     assert set(result.details["fail_to_pass"].values()) == {"PASSED"}
     assert result.details["pass_to_pass_passed"] == len(instance["PASS_TO_PASS"])
     assert result.details["patch"] == instance["patch"]  # the repository's diff is exactly the upstream fix
 
-    empty = await scripted_llm(script_of(tool_call_text("finish", {})))
-    _, client = await start_server(empty.base_url)
-    result, _ = await run_swe(client, instance)
+    result = empty_result
     assert result.reward == 0.0
     assert result.details["verdict"] == "unresolved" and result.details["patch"] == ""
     # the upstream test really catches the bug (MISSING: Django's test module does not even import)
