@@ -48,6 +48,7 @@ from prorl_server.gateway.common import (
     sse_event,
     sse_response,
 )
+from prorl_server.llm.base import ChatMessage, ToolCall
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
 ERROR_TYPES = {
@@ -128,10 +129,10 @@ def system_of(fields: Fields) -> str | None:
     return "\n".join(texts)
 
 
-def messages_of(fields: Fields) -> list[dict[str, Any]]:
+def messages_of(fields: Fields) -> list[ChatMessage]:
     raw = fields.array("messages", required=True)
     assert raw is not None
-    messages: list[dict[str, Any]] = []
+    messages: list[ChatMessage] = []
     system = system_of(fields)
     if system is not None:
         messages.append({"role": "system", "content": system})
@@ -160,8 +161,8 @@ def _system_text(blocks: list[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(_text(block, where) for where, block in blocks)
 
 
-def _user(blocks: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _user(blocks: list[tuple[str, dict[str, Any]]]) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
     texts: list[str] = []
     for where, block in blocks:
         kind = block.get("type")
@@ -180,9 +181,9 @@ def _user(blocks: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant(blocks: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+def _assistant(blocks: list[tuple[str, dict[str, Any]]]) -> ChatMessage:
     texts: list[str] = []
-    calls: list[dict[str, Any]] = []
+    calls: list[ToolCall] = []
     for where, block in blocks:
         kind = block.get("type")
         if kind == "text":
@@ -205,7 +206,7 @@ def _assistant(blocks: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             continue
         else:
             raise _unsupported(block, where)
-    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    message: ChatMessage = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
     return message

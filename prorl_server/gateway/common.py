@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from prorl_server.llm.base import ChatFn, ChatResult, Sampling
+from prorl_server.llm.base import ChatFn, ChatMessage, ChatResult, Sampling
 from prorl_server.llm.tool_calls import ParsedCall, from_api, parse_text, text_without_calls
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
@@ -73,11 +73,12 @@ def parse_body(body: bytes) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise bad_request(f"the request body must be a JSON object, not {_kind(data)}")
+        raise bad_request(f"the request body must be a JSON object, not {kind_of(data)}")
     return data
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """How an error names a JSON value's type ("a string", "null", ...)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -104,7 +105,7 @@ class Fields:
     @classmethod
     def of(cls, value: Any, path: str) -> Fields:
         if not isinstance(value, dict):
-            raise bad_request(f"{path} must be an object, not {_kind(value)}", path)
+            raise bad_request(f"{path} must be an object, not {kind_of(value)}", path)
         return cls(value, path)
 
     def name(self, key: str) -> str:
@@ -121,7 +122,7 @@ class Fields:
 
     def _wrong(self, key: str, expected: str) -> GatewayError:
         value = self.data.get(key)
-        return bad_request(f"{self.name(key)} must be {expected}, not {_kind(value)}", self.name(key))
+        return bad_request(f"{self.name(key)} must be {expected}, not {kind_of(value)}", self.name(key))
 
     def string(self, key: str, *, required: bool = False) -> str | None:
         value = self.data.get(key)
@@ -236,7 +237,7 @@ def text_of(content: Any, path: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{path} must be a string or an array of content parts, not {_kind(content)}", path)
+        raise bad_request(f"{path} must be a string or an array of content parts, not {kind_of(content)}", path)
     texts: list[str] = []
     for index, part in enumerate(content):
         where = f"{path}[{index}]"
@@ -244,12 +245,12 @@ def text_of(content: Any, path: str) -> str:
             texts.append(part)
             continue
         if not isinstance(part, dict):
-            raise bad_request(f"{where} must be an object, not {_kind(part)}", where)
+            raise bad_request(f"{where} must be an object, not {kind_of(part)}", where)
         kind = part.get("type")
         if kind in TEXT_PART_TYPES:
             text = part.get("text")
             if not isinstance(text, str):
-                raise bad_request(f"{where}.text must be a string, not {_kind(text)}", f"{where}.text")
+                raise bad_request(f"{where}.text must be a string, not {kind_of(text)}", f"{where}.text")
             texts.append(text)
         elif kind == "refusal":
             continue
@@ -269,7 +270,7 @@ def function_tool(name: str, description: str | None, parameters: Any, path: str
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise bad_request(f"{path}: the parameters schema must be an object, not {_kind(parameters)}", path)
+        raise bad_request(f"{path}: the parameters schema must be an object, not {kind_of(parameters)}", path)
     function: dict[str, Any] = {"name": name}
     if description:
         function["description"] = description
@@ -369,7 +370,7 @@ class ChatTurns:
 
     async def run(
         self,
-        messages: Sequence[dict[str, Any]],
+        messages: Sequence[ChatMessage],
         tools: Sequence[dict[str, Any]],
         sampling: Sampling,
         *,
@@ -397,13 +398,13 @@ class ChatTurns:
         while len(self._sampled) > self._capacity:
             self._sampled.popitem(last=False)
 
-    def restore(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    def restore(self, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
         """The history with this gateway's replies' text as sampled, tool messages named after their calls.
 
         A reply is put back when the program's copy has one of its call ids and its text is part of
         the sampled text (the gateway only took the calls' markup out); a copy the program edited
         stays as the program sent it."""
-        history: list[dict[str, Any]] = []
+        history: list[ChatMessage] = []
         names: dict[str, str] = {}
         for message in messages:
             role = message.get("role")

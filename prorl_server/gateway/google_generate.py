@@ -51,6 +51,7 @@ from prorl_server.gateway.common import (
     sampling_for,
     sse_response,
 )
+from prorl_server.llm.base import ChatMessage, ToolCall
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
 ROUTE = re.compile(r"^/(?:v1beta|v1alpha|v1)?/?models/(?P<model>[^/:]+):(?P<method>[A-Za-z]+)$")
@@ -138,8 +139,8 @@ def _response_text(response: Any) -> str:
     return json.dumps(response, ensure_ascii=False)
 
 
-def messages_of(fields: Fields) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
+def messages_of(fields: Fields) -> list[ChatMessage]:
+    messages: list[ChatMessage] = []
     system = system_of(fields)
     if system:
         messages.append({"role": "system", "content": system})
@@ -157,9 +158,9 @@ def messages_of(fields: Fields) -> list[dict[str, Any]]:
     return messages
 
 
-def _model_message(content: Fields, index: int, unanswered: list[tuple[str, str]]) -> dict[str, Any]:
+def _model_message(content: Fields, index: int, unanswered: list[tuple[str, str]]) -> ChatMessage:
     texts: list[str] = []
-    calls: list[dict[str, Any]] = []
+    calls: list[ToolCall] = []
     for part_index, (path, part) in enumerate(_parts(content)):
         if part.boolean("thought"):
             continue
@@ -181,14 +182,14 @@ def _model_message(content: Fields, index: int, unanswered: list[tuple[str, str]
             texts.append(text)
         else:
             raise _unsupported(part, path)
-    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    message: ChatMessage = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
     return message
 
 
-def _user_messages(content: Fields, index: int, unanswered: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _user_messages(content: Fields, index: int, unanswered: list[tuple[str, str]]) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
     texts: list[str] = []
     for part_index, (path, part) in enumerate(_parts(content)):
         result = part.obj("functionResponse")
@@ -204,13 +205,14 @@ def _user_messages(content: Fields, index: int, unanswered: list[tuple[str, str]
                 answered = next((i for i, (_, cname) in enumerate(unanswered) if cname == name), None)
             if answered is not None:
                 call_id = unanswered.pop(answered)[0]
-            message = {
-                "role": "tool",
-                "tool_call_id": call_id or f"call_{index}_{part_index}",
-                "name": name,
-                "content": _response_text(result.get("response")),
-            }
-            out.append(message)
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id or f"call_{index}_{part_index}",
+                    "name": name,
+                    "content": _response_text(result.get("response")),
+                }
+            )
         elif text is not None:
             if not part.boolean("thought"):
                 texts.append(text)

@@ -50,13 +50,14 @@ from prorl_server.gateway.common import (
     text_of,
 )
 from prorl_server.gateway.responses_tools import CUSTOM_INPUT, ResponsesTools
+from prorl_server.llm.base import ChatMessage, ToolCall
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
 STATELESS = "this gateway is stateless and stores no responses: send the whole conversation as input"
 
 
-def messages_of(fields: Fields, offered: ResponsesTools) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
+def messages_of(fields: Fields, offered: ResponsesTools) -> list[ChatMessage]:
+    messages: list[ChatMessage] = []
     instructions = fields.string("instructions")
     if instructions:
         messages.append({"role": "system", "content": instructions})
@@ -68,7 +69,7 @@ def messages_of(fields: Fields, offered: ResponsesTools) -> list[dict[str, Any]]
         return messages
     if not isinstance(value, list):
         raise bad_request("input must be a string or an array of items", "input")
-    assistant: dict[str, Any] | None = None  # the open assistant message: function calls join it
+    assistant: ChatMessage | None = None  # the open assistant message: function calls join it
     for index, raw in enumerate(value):
         path = f"input[{index}]"
         item = Fields.of(raw, path)
@@ -115,7 +116,7 @@ def messages_of(fields: Fields, offered: ResponsesTools) -> list[dict[str, Any]]
     return messages
 
 
-def _call(item: Fields, kind: str, path: str, offered: ResponsesTools) -> dict[str, Any]:
+def _call(item: Fields, kind: str, path: str, offered: ResponsesTools) -> ToolCall:
     """A function_call / custom_tool_call item as the chat's tool call, under the model's name."""
     name = offered.model_name(item.required_string("name"), item.string("namespace"))
     if kind == "custom_tool_call":

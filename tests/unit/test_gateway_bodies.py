@@ -1,0 +1,113 @@
+"""The gateway's 400s for malformed request bodies: the message names the field by its path and says
+what it must be, in the same words whichever reader (hand-written or pydantic) checks the body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prorl_server.gateway.common import ChatTurns, GatewayError
+from prorl_server.gateway.openai_chat import handle_chat_completions
+from prorl_server.llm.base import ChatResult, Sampling
+
+USER = {"role": "user", "content": "Hi"}
+SAMPLING = Sampling(max_tokens=16, temperature=1.0)
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+async def _never(*_: Any) -> ChatResult:
+    raise AssertionError("a malformed request must not reach the model")
+
+
+CHAT_CASES: list[tuple[dict[str, Any], str, str]] = [
+    ({}, "messages", "messages: this field is required"),
+    ({"messages": "hi"}, "messages", "messages must be an array, not a string"),
+    ({"messages": [USER, 5]}, "messages[1]", "messages[1] must be an object, not a number"),
+    ({"messages": [USER, {"content": "x"}]}, "messages[1].role", "messages[1].role: this field is required"),
+    ({"messages": [{"role": 1}]}, "messages[0].role", "messages[0].role must be a string, not a number"),
+    ({"messages": [{"role": "bot"}]}, "messages[0].role", "messages[0].role: unknown role 'bot'"),
+    (
+        {"messages": [USER, USER, {"role": "user", "content": 3}]},
+        "messages[2].content",
+        "messages[2].content must be a string or an array of content parts, not a number",
+    ),
+    (
+        {"messages": [{"role": "tool", "content": "x"}]},
+        "messages[0].tool_call_id",
+        "messages[0].tool_call_id: this field is required",
+    ),
+    (
+        {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": 3}}]}]},
+        "messages[0].tool_calls[0].function.name",
+        "messages[0].tool_calls[0].function.name: this field is required",
+    ),
+    (
+        {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": 3}}]}]},
+        "messages[0].tool_calls[0].function.arguments",
+        "messages[0].tool_calls[0].function.arguments must be a string",
+    ),
+    (
+        {"messages": [USER], "tools": [{"type": "function", "function": {"name": 7}}]},
+        "tools[0].function.name",
+        "tools[0].function.name must be a string, not a number",
+    ),
+    (
+        {"messages": [USER], "tools": [{"type": "function"}]},
+        "tools[0].function",
+        "tools[0].function: this field is required",
+    ),
+    (
+        {"messages": [USER], "tools": [TOOL], "tool_choice": {"type": "function", "function": {}}},
+        "tool_choice.function.name",
+        "tool_choice.function.name: this field is required",
+    ),
+    ({"messages": [USER], "temperature": 3}, "temperature", "temperature must be between 0.0 and 2.0, not 3"),
+    ({"messages": [USER], "temperature": True}, "temperature", "temperature must be a number, not a boolean"),
+    ({"messages": [USER], "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, not 0"),
+    ({"messages": [USER], "max_tokens": 1.5}, "max_tokens", "max_tokens must be an integer, not a number"),
+    ({"messages": [USER], "stop": [1]}, "stop", "stop must be a string or an array of strings, not an array"),
+    ({"messages": [USER], "stream": "yes"}, "stream", "stream must be a boolean, not a string"),
+    (
+        {"messages": [USER], "stream_options": {"include_usage": 1}},
+        "stream_options.include_usage",
+        "stream_options.include_usage must be a boolean, not a number",
+    ),
+    (
+        {"messages": [USER], "chat_template_kwargs": []},
+        "chat_template_kwargs",
+        "chat_template_kwargs must be an object, not an array",
+    ),
+    ({"messages": [USER], "model": 5}, "model", "model must be a string, not a number"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), CHAT_CASES)
+async def test_chat_completions_refusals(body: dict[str, Any], param: str, message: str) -> None:
+    turns = ChatTurns(_never, model="m", default_sampling=SAMPLING)
+    with pytest.raises(GatewayError) as refused:
+        await handle_chat_completions(turns, body)
+    assert (refused.value.status, refused.value.param, refused.value.message) == (400, param, message)
+
+
+async def test_chat_completions_nulls_and_unknown_fields_are_absent() -> None:
+    """A null is absent and an unknown field is ignored: the request reaches the model."""
+    seen: list[Any] = []
+
+    async def chat(messages: Any, tools: Any, sampling: Sampling) -> ChatResult:
+        seen.append((list(messages), list(tools), sampling))
+        return ChatResult(text="ok", finish_reason="stop", prompt_tokens=1, completion_tokens=1)
+
+    body = {
+        "messages": [{**USER, "name": None, "cache_control": {"x": 1}}],
+        "temperature": None,
+        "tools": None,
+        "stream": None,
+        "stop": None,
+        "logit_bias": {"1": 2},
+        "user": "u",
+    }
+    response = await handle_chat_completions(ChatTurns(chat, model="m", default_sampling=SAMPLING), body)
+    assert response.status == 200
+    [(messages, tools, _)] = seen
+    assert messages == [{"role": "user", "content": "Hi"}] and tools == []
