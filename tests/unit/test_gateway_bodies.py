@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from prorl_server.gateway.anthropic_messages import handle_messages
 from prorl_server.gateway.common import ChatTurns, GatewayError
 from prorl_server.gateway.openai_chat import handle_chat_completions
 from prorl_server.llm.base import ChatResult, Sampling
@@ -111,3 +112,102 @@ async def test_chat_completions_nulls_and_unknown_fields_are_absent() -> None:
     assert response.status == 200
     [(messages, tools, _)] = seen
     assert messages == [{"role": "user", "content": "Hi"}] and tools == []
+
+
+ANTHROPIC_USER = {"role": "user", "content": "Hi"}
+ANTHROPIC_CASES: list[tuple[dict[str, Any], str, str]] = [
+    ({"messages": [ANTHROPIC_USER]}, "max_tokens", "max_tokens: this field is required"),
+    ({"max_tokens": 0, "messages": [ANTHROPIC_USER]}, "max_tokens", "max_tokens must be at least 1, not 0"),
+    ({"max_tokens": 5}, "messages", "messages: this field is required"),
+    (
+        {"max_tokens": 5, "messages": [ANTHROPIC_USER, {"role": "user"}]},
+        "messages[1].content",
+        "messages[1].content: this field is required",
+    ),
+    (
+        {"max_tokens": 5, "messages": [ANTHROPIC_USER, {"role": "user", "content": None}]},
+        "messages[1].content",
+        "messages[1].content: this field is required",
+    ),
+    ({"max_tokens": 5, "messages": [{"content": "x"}]}, "messages[0].role", "messages[0].role: this field is required"),
+    (
+        {"max_tokens": 5, "messages": [{"role": "bot", "content": "x"}]},
+        "messages[0].role",
+        "messages[0].role must be 'user', 'assistant' or 'system', not 'bot'",
+    ),
+    (
+        {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+        "messages[0].content[0].tool_use_id",
+        "messages[0].content[0].tool_use_id: this field is required",
+    ),
+    (
+        {
+            "max_tokens": 5,
+            "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "c", "input": 1}]}],
+        },
+        "messages[0].content[0].input",
+        "messages[0].content[0].input must be an object",
+    ),
+    (
+        {"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "c"}]}]},
+        "messages[0].content[0].name",
+        "messages[0].content[0].name: this field is required",
+    ),
+    (
+        {"max_tokens": 5, "messages": [ANTHROPIC_USER], "tools": [{"description": "d"}]},
+        "tools[0].name",
+        "tools[0].name: this field is required",
+    ),
+    (
+        {"max_tokens": 5, "messages": [ANTHROPIC_USER], "tools": [{"name": "f"}], "tool_choice": {"type": "tool"}},
+        "tool_choice.name",
+        "tool_choice.name: this field is required",
+    ),
+    (
+        {"max_tokens": 5, "messages": [ANTHROPIC_USER], "tool_choice": "auto"},
+        "tool_choice",
+        "tool_choice must be an object, not a string",
+    ),
+    (
+        {"max_tokens": 5, "messages": [ANTHROPIC_USER], "stop_sequences": "x"},
+        "stop_sequences",
+        "stop_sequences must be an array, not a string",
+    ),
+    (
+        {"max_tokens": 5, "messages": [ANTHROPIC_USER], "stop_sequences": [1]},
+        "stop_sequences",
+        "stop_sequences must be an array of strings",
+    ),
+    (
+        {"max_tokens": 5, "messages": [ANTHROPIC_USER], "temperature": 1.5},
+        "temperature",
+        "temperature must be between 0.0 and 1.0, not 1.5",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), ANTHROPIC_CASES)
+async def test_anthropic_messages_refusals(body: dict[str, Any], param: str, message: str) -> None:
+    turns = ChatTurns(_never, model="m", default_sampling=SAMPLING)
+    with pytest.raises(GatewayError) as refused:
+        await handle_messages(turns, body)
+    assert (refused.value.status, refused.value.param, refused.value.message) == (400, param, message)
+
+
+async def test_anthropic_server_tools_are_left_out_whatever_they_hold() -> None:
+    seen: list[Any] = []
+
+    async def chat(messages: Any, tools: Any, sampling: Sampling) -> ChatResult:
+        seen.append(list(tools))
+        return ChatResult(text="ok", finish_reason="stop", prompt_tokens=1, completion_tokens=1)
+
+    body = {
+        "max_tokens": 5,
+        "messages": [ANTHROPIC_USER],
+        "tools": [{"type": "web_search_20250305", "name": 3}, {"name": "f", "input_schema": None}],
+        "thinking": {"type": "enabled"},
+        "temperature": None,
+    }
+    response = await handle_messages(ChatTurns(chat, model="m", default_sampling=SAMPLING), body)
+    assert response.status == 200
+    assert [tool["function"]["name"] for tool in seen[0]] == ["f"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainValidator, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, PlainValidator, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from prorl_server.gateway.common import GatewayError, bad_request, kind_of
@@ -55,6 +55,16 @@ def _strings(value: Any) -> tuple[str, ...]:
 
 Strings = Annotated[tuple[str, ...], PlainValidator(_strings)]
 """A string or an array of strings (stop sequences), as a tuple."""
+
+
+def _present(value: Any) -> Any:
+    if value is None:
+        raise invalid("{path}: this field is required")
+    return value
+
+
+Present = Annotated[Any, AfterValidator(_present)]
+"""Any value but null (a field that must be there, read by a hand-written reader after the model)."""
 
 
 def path_of(loc: Sequence[int | str], prefix: str = "") -> str:
@@ -105,4 +115,4 @@ def validate(model: type[Model], data: Any, prefix: str = "") -> Model:
         raise message_of(exc.errors(include_url=False)[0], prefix) from None
 
 
-__all__ = ["Body", "Strings", "between", "invalid", "message_of", "path_of", "validate"]
+__all__ = ["Body", "Present", "Strings", "between", "invalid", "message_of", "path_of", "validate"]
