@@ -9,6 +9,7 @@ import pytest
 
 from prorl_server.gateway.anthropic_messages import handle_messages
 from prorl_server.gateway.common import ChatTurns, GatewayError
+from prorl_server.gateway.google_generate import handle_count_tokens, handle_generate
 from prorl_server.gateway.openai_chat import handle_chat_completions
 from prorl_server.llm.base import ChatResult, Sampling
 
@@ -211,3 +212,122 @@ async def test_anthropic_server_tools_are_left_out_whatever_they_hold() -> None:
     response = await handle_messages(ChatTurns(chat, model="m", default_sampling=SAMPLING), body)
     assert response.status == 200
     assert [tool["function"]["name"] for tool in seen[0]] == ["f"]
+
+
+GOOGLE_USER = {"role": "user", "parts": [{"text": "Hi"}]}
+GOOGLE_CASES: list[tuple[dict[str, Any], str, str]] = [
+    ({}, "contents", "contents: this field is required"),
+    ({"contents": [GOOGLE_USER, "x"]}, "contents[1]", "contents[1] must be an object, not a string"),
+    (
+        {"contents": [{"role": "bot", "parts": []}]},
+        "contents[0].role",
+        "contents[0].role must be 'user' or 'model', not 'bot'",
+    ),
+    ({"contents": [{"parts": {"text": "x"}}]}, "contents[0].parts", "contents[0].parts must be an array of parts"),
+    (
+        {"contents": [{"parts": [{"text": 3}]}]},
+        "contents[0].parts[0].text",
+        "contents[0].parts[0].text must be a string, not a number",
+    ),
+    (
+        {"contents": [{"role": "model", "parts": [{"functionCall": {"args": {}}}]}]},
+        "contents[0].parts[0].functionCall.name",
+        "contents[0].parts[0].functionCall.name: this field is required",
+    ),
+    (
+        {"contents": [{"role": "model", "parts": [{"functionCall": {"name": "f", "args": []}}]}]},
+        "contents[0].parts[0].functionCall.args",
+        "contents[0].parts[0].functionCall.args must be an object",
+    ),
+    (
+        {"contents": [{"parts": [{"functionResponse": {"response": {}}}]}]},
+        "contents[0].parts[0].functionResponse.name",
+        "contents[0].parts[0].functionResponse.name: this field is required",
+    ),
+    (
+        {"contents": [{"parts": [{"inlineData": {"data": "AA"}}]}]},
+        "contents[0].parts[0]",
+        "contents[0].parts[0] is a part with inlineData: this gateway takes text, functionCall and functionResponse "
+        "parts only (no inline or file data, no executable code)",
+    ),
+    (
+        {"contents": [GOOGLE_USER], "systemInstruction": {"parts": [{"fileData": {}}]}},
+        "systemInstruction.parts[0]",
+        "systemInstruction.parts[0] is a part with fileData: this gateway takes text, functionCall and "
+        "functionResponse parts only (no inline or file data, no executable code)",
+    ),
+    (
+        {"contents": [GOOGLE_USER], "tools": [{"functionDeclarations": [{"description": "d"}]}]},
+        "tools[0].functionDeclarations[0].name",
+        "tools[0].functionDeclarations[0].name: this field is required",
+    ),
+    (
+        {"contents": [GOOGLE_USER], "toolConfig": {"functionCallingConfig": {"mode": 1}}},
+        "toolConfig.functionCallingConfig.mode",
+        "toolConfig.functionCallingConfig.mode must be a string, not a number",
+    ),
+    (
+        {"contents": [GOOGLE_USER], "generationConfig": {"candidateCount": 2}},
+        "generationConfig.candidateCount",
+        "generationConfig.candidateCount must be 1: one sample per call",
+    ),
+    (
+        {"contents": [GOOGLE_USER], "generationConfig": {"maxOutputTokens": 0}},
+        "generationConfig.maxOutputTokens",
+        "generationConfig.maxOutputTokens must be at least 1, not 0",
+    ),
+    (
+        {"contents": [GOOGLE_USER], "generationConfig": {"topP": 2}},
+        "generationConfig.topP",
+        "generationConfig.topP must be between 0.0 and 1.0, not 2",
+    ),
+    (
+        {"contents": [GOOGLE_USER], "generationConfig": {"stopSequences": 5}},
+        "generationConfig.stopSequences",
+        "generationConfig.stopSequences must be a string or an array of strings, not a number",
+    ),
+    (
+        {"contents": [GOOGLE_USER], "generationConfig": []},
+        "generationConfig",
+        "generationConfig must be an object, not an array",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), GOOGLE_CASES)
+async def test_google_generate_refusals(body: dict[str, Any], param: str, message: str) -> None:
+    turns = ChatTurns(_never, model="m", default_sampling=SAMPLING)
+    with pytest.raises(GatewayError) as refused:
+        await handle_generate(turns, body, path="/v1beta/models/m:generateContent")
+    assert (refused.value.status, refused.value.param, refused.value.message) == (400, param, message)
+
+
+async def test_google_count_tokens_reads_the_inner_request() -> None:
+    inner = {"contents": [{"parts": [{"text": 3}]}]}
+    with pytest.raises(GatewayError) as refused:
+        handle_count_tokens({"generateContentRequest": inner})
+    assert refused.value.param == "generateContentRequest.contents[0].parts[0].text"
+    assert handle_count_tokens({"tools": "not read without contents"}).status == 200
+
+
+async def test_google_other_tools_are_left_out_and_camel_case_is_read() -> None:
+    seen: list[Any] = []
+    left: list[Any] = []
+
+    async def chat(messages: Any, tools: Any, sampling: Sampling) -> ChatResult:
+        seen.append((list(messages), list(tools), sampling))
+        return ChatResult(text="ok", finish_reason="stop", prompt_tokens=1, completion_tokens=1)
+
+    body = {
+        "systemInstruction": {"parts": [{"text": "Be brief."}]},
+        "contents": [GOOGLE_USER],
+        "tools": [{"googleSearch": {}, "functionDeclarations": [{"name": "f", "parametersJsonSchema": {}}]}],
+        "generationConfig": {"maxOutputTokens": 7, "topP": 0.5, "stopSequences": "END", "thinkingConfig": {}},
+    }
+    turns = ChatTurns(chat, model="m", default_sampling=SAMPLING, on_left_out=left.append)
+    response = await handle_generate(turns, body, path="/v1beta/models/m:generateContent")
+    assert response.status == 200
+    [(messages, tools, sampling)] = seen
+    assert messages[0] == {"role": "system", "content": "Be brief."}
+    assert [tool["function"]["name"] for tool in tools] == ["f"] and left == [["googleSearch"]]
+    assert (sampling.max_tokens, sampling.top_p, sampling.stop) == (7, 0.5, ("END",))
