@@ -3,6 +3,7 @@ what it must be, in the same words whichever reader (hand-written or pydantic) c
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from prorl_server.gateway.anthropic_messages import handle_messages
 from prorl_server.gateway.common import ChatTurns, GatewayError
 from prorl_server.gateway.google_generate import handle_count_tokens, handle_generate
 from prorl_server.gateway.openai_chat import handle_chat_completions
+from prorl_server.gateway.openai_responses import handle_responses
 from prorl_server.llm.base import ChatResult, Sampling
 
 USER = {"role": "user", "content": "Hi"}
@@ -331,3 +333,106 @@ async def test_google_other_tools_are_left_out_and_camel_case_is_read() -> None:
     assert messages[0] == {"role": "system", "content": "Be brief."}
     assert [tool["function"]["name"] for tool in tools] == ["f"] and left == [["googleSearch"]]
     assert (sampling.max_tokens, sampling.top_p, sampling.stop) == (7, 0.5, ("END",))
+
+
+FN = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+RESPONSES_CASES: list[tuple[dict[str, Any], str, str]] = [
+    ({}, "input", "input: this field is required"),
+    ({"input": 5}, "input", "input must be a string or an array of items"),
+    (
+        {"input": "Hi", "previous_response_id": "r", "temperature": 9},
+        "previous_response_id",
+        "previous_response_id: this gateway is stateless and stores no responses: send the whole conversation as input",
+    ),
+    ({"input": "Hi", "background": "yes"}, "background", "background must be a boolean, not a string"),
+    ({"input": ["x"]}, "input[0]", "input[0] must be an object, not a string"),
+    ({"input": [{"type": "message", "content": "x"}]}, "input[0].role", "input[0].role: this field is required"),
+    ({"input": [{"role": "bot", "content": "x"}]}, "input[0].role", "input[0].role: unknown role 'bot'"),
+    (
+        {"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]},
+        "input[0].name",
+        "input[0].name: this field is required",
+    ),
+    (
+        {"input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": {}}]},
+        "input[0].arguments",
+        "input[0].arguments must be a string",
+    ),
+    (
+        {"input": [{"type": "custom_tool_call", "name": "f", "input": 3, "call_id": "c"}]},
+        "input[0].input",
+        "input[0].input must be a string, not a number",
+    ),
+    (
+        {"input": [{"type": "function_call_output", "output": "x"}]},
+        "input[0].call_id",
+        "input[0].call_id: this field is required",
+    ),
+    ({"input": "Hi", "tools": [{"type": "function"}]}, "tools[0].name", "tools[0].name: this field is required"),
+    (
+        {"input": "Hi", "tools": [{"type": "custom", "name": "p", "format": "x"}]},
+        "tools[0].format",
+        "tools[0].format must be an object, not a string",
+    ),
+    (
+        {"input": "Hi", "tools": [{"type": "namespace", "name": "ns"}]},
+        "tools[0].tools",
+        "tools[0].tools: this field is required",
+    ),
+    (
+        {"input": "Hi", "tools": [{"type": "namespace", "name": "ns", "tools": [FN, 4]}]},
+        "tools[0].tools[1]",
+        "tools[0].tools[1] must be an object, not a number",
+    ),
+    (
+        {"input": "Hi", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function"}]}]},
+        "tools[0].tools[0].name",
+        "tools[0].tools[0].name: this field is required",
+    ),
+    (
+        {"input": "Hi", "tools": [FN, FN]},
+        "tools[1]",
+        "tools[1]: two tools would both be offered to the model as 'f': give them distinct names",
+    ),
+    (
+        {"input": "Hi", "tools": [FN], "tool_choice": {"type": "function"}},
+        "tool_choice.name",
+        "tool_choice.name: this field is required",
+    ),
+    (
+        {"input": "Hi", "tools": [FN], "tool_choice": {"type": "allowed_tools"}},
+        "tool_choice.tools",
+        "tool_choice.tools: this field is required",
+    ),
+    ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be at least 1, not 0"),
+    ({"input": "Hi", "top_p": -1}, "top_p", "top_p must be between 0.0 and 1.0, not -1"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), RESPONSES_CASES)
+async def test_responses_refusals(body: dict[str, Any], param: str, message: str) -> None:
+    turns = ChatTurns(_never, model="m", default_sampling=SAMPLING)
+    with pytest.raises(GatewayError) as refused:
+        await handle_responses(turns, body)
+    assert (refused.value.status, refused.value.param, refused.value.message) == (400, param, message)
+
+
+async def test_responses_hosted_tools_are_left_out_and_the_request_is_echoed() -> None:
+    seen: list[Any] = []
+    left: list[Any] = []
+
+    async def chat(messages: Any, tools: Any, sampling: Sampling) -> ChatResult:
+        seen.append([tool["function"]["name"] for tool in tools])
+        return ChatResult(text="ok", finish_reason="stop", prompt_tokens=1, completion_tokens=1)
+
+    body = {
+        "input": "Hi",
+        "temperature": 1,
+        "tools": [{"type": "web_search", "name": 3}, {"type": "namespace", "name": "ns", "tools": [FN, {"type": "x"}]}],
+        "reasoning": {"effort": "high"},
+    }
+    turns = ChatTurns(chat, model="m", default_sampling=SAMPLING, on_left_out=left.append)
+    response = await handle_responses(turns, body)
+    assert response.status == 200 and seen == [["ns__f"]] and left == [["web_search", "ns.x"]]
+    assert isinstance(response.body, bytes)
+    assert json.loads(response.body)["temperature"] == 1
