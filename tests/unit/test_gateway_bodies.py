@@ -24,6 +24,23 @@ async def _never(*_: Any) -> ChatResult:
     raise AssertionError("a malformed request must not reach the model")
 
 
+async def _refusal(handle: Any, body: dict[str, Any], **where: str) -> tuple[int, str | None, str]:
+    """(status, param, message) of the error `handle` answers `body` with, the model never asked."""
+    with pytest.raises(GatewayError) as refused:
+        await handle(ChatTurns(_never, model="m", default_sampling=SAMPLING), body, **where)
+    return refused.value.status, refused.value.param, refused.value.message
+
+
+def _recording(seen: list[tuple[list[Any], list[Any], Sampling]]) -> Any:
+    """A chat that answers "ok" and keeps each call's (messages, tools, sampling) in `seen`."""
+
+    async def chat(messages: Any, tools: Any, sampling: Sampling) -> ChatResult:
+        seen.append((list(messages), list(tools), sampling))
+        return ChatResult(text="ok", finish_reason="stop", prompt_tokens=1, completion_tokens=1)
+
+    return chat
+
+
 CHAT_CASES: list[tuple[dict[str, Any], str, str]] = [
     ({}, "messages", "messages: this field is required"),
     ({"messages": "hi"}, "messages", "messages must be an array, not a string"),
@@ -88,19 +105,12 @@ CHAT_CASES: list[tuple[dict[str, Any], str, str]] = [
 
 @pytest.mark.parametrize(("body", "param", "message"), CHAT_CASES)
 async def test_chat_completions_refusals(body: dict[str, Any], param: str, message: str) -> None:
-    turns = ChatTurns(_never, model="m", default_sampling=SAMPLING)
-    with pytest.raises(GatewayError) as refused:
-        await handle_chat_completions(turns, body)
-    assert (refused.value.status, refused.value.param, refused.value.message) == (400, param, message)
+    assert await _refusal(handle_chat_completions, body) == (400, param, message)
 
 
 async def test_chat_completions_nulls_and_unknown_fields_are_absent() -> None:
     """A null is absent and an unknown field is ignored: the request reaches the model."""
     seen: list[Any] = []
-
-    async def chat(messages: Any, tools: Any, sampling: Sampling) -> ChatResult:
-        seen.append((list(messages), list(tools), sampling))
-        return ChatResult(text="ok", finish_reason="stop", prompt_tokens=1, completion_tokens=1)
 
     body = {
         "messages": [{**USER, "name": None, "cache_control": {"x": 1}}],
@@ -111,7 +121,7 @@ async def test_chat_completions_nulls_and_unknown_fields_are_absent() -> None:
         "logit_bias": {"1": 2},
         "user": "u",
     }
-    response = await handle_chat_completions(ChatTurns(chat, model="m", default_sampling=SAMPLING), body)
+    response = await handle_chat_completions(ChatTurns(_recording(seen), model="m", default_sampling=SAMPLING), body)
     assert response.status == 200
     [(messages, tools, _)] = seen
     assert messages == [{"role": "user", "content": "Hi"}] and tools == []
@@ -191,18 +201,11 @@ ANTHROPIC_CASES: list[tuple[dict[str, Any], str, str]] = [
 
 @pytest.mark.parametrize(("body", "param", "message"), ANTHROPIC_CASES)
 async def test_anthropic_messages_refusals(body: dict[str, Any], param: str, message: str) -> None:
-    turns = ChatTurns(_never, model="m", default_sampling=SAMPLING)
-    with pytest.raises(GatewayError) as refused:
-        await handle_messages(turns, body)
-    assert (refused.value.status, refused.value.param, refused.value.message) == (400, param, message)
+    assert await _refusal(handle_messages, body) == (400, param, message)
 
 
 async def test_anthropic_server_tools_are_left_out_whatever_they_hold() -> None:
     seen: list[Any] = []
-
-    async def chat(messages: Any, tools: Any, sampling: Sampling) -> ChatResult:
-        seen.append(list(tools))
-        return ChatResult(text="ok", finish_reason="stop", prompt_tokens=1, completion_tokens=1)
 
     body = {
         "max_tokens": 5,
@@ -211,9 +214,9 @@ async def test_anthropic_server_tools_are_left_out_whatever_they_hold() -> None:
         "thinking": {"type": "enabled"},
         "temperature": None,
     }
-    response = await handle_messages(ChatTurns(chat, model="m", default_sampling=SAMPLING), body)
+    response = await handle_messages(ChatTurns(_recording(seen), model="m", default_sampling=SAMPLING), body)
     assert response.status == 200
-    assert [tool["function"]["name"] for tool in seen[0]] == ["f"]
+    assert [tool["function"]["name"] for tool in seen[0][1]] == ["f"]
 
 
 GOOGLE_USER = {"role": "user", "parts": [{"text": "Hi"}]}
@@ -298,10 +301,7 @@ GOOGLE_CASES: list[tuple[dict[str, Any], str, str]] = [
 
 @pytest.mark.parametrize(("body", "param", "message"), GOOGLE_CASES)
 async def test_google_generate_refusals(body: dict[str, Any], param: str, message: str) -> None:
-    turns = ChatTurns(_never, model="m", default_sampling=SAMPLING)
-    with pytest.raises(GatewayError) as refused:
-        await handle_generate(turns, body, path="/v1beta/models/m:generateContent")
-    assert (refused.value.status, refused.value.param, refused.value.message) == (400, param, message)
+    assert await _refusal(handle_generate, body, path="/v1beta/models/m:generateContent") == (400, param, message)
 
 
 async def test_google_count_tokens_reads_the_inner_request() -> None:
@@ -316,17 +316,13 @@ async def test_google_other_tools_are_left_out_and_camel_case_is_read() -> None:
     seen: list[Any] = []
     left: list[Any] = []
 
-    async def chat(messages: Any, tools: Any, sampling: Sampling) -> ChatResult:
-        seen.append((list(messages), list(tools), sampling))
-        return ChatResult(text="ok", finish_reason="stop", prompt_tokens=1, completion_tokens=1)
-
     body = {
         "systemInstruction": {"parts": [{"text": "Be brief."}]},
         "contents": [GOOGLE_USER],
         "tools": [{"googleSearch": {}, "functionDeclarations": [{"name": "f", "parametersJsonSchema": {}}]}],
         "generationConfig": {"maxOutputTokens": 7, "topP": 0.5, "stopSequences": "END", "thinkingConfig": {}},
     }
-    turns = ChatTurns(chat, model="m", default_sampling=SAMPLING, on_left_out=left.append)
+    turns = ChatTurns(_recording(seen), model="m", default_sampling=SAMPLING, on_left_out=left.append)
     response = await handle_generate(turns, body, path="/v1beta/models/m:generateContent")
     assert response.status == 200
     [(messages, tools, sampling)] = seen
@@ -411,19 +407,12 @@ RESPONSES_CASES: list[tuple[dict[str, Any], str, str]] = [
 
 @pytest.mark.parametrize(("body", "param", "message"), RESPONSES_CASES)
 async def test_responses_refusals(body: dict[str, Any], param: str, message: str) -> None:
-    turns = ChatTurns(_never, model="m", default_sampling=SAMPLING)
-    with pytest.raises(GatewayError) as refused:
-        await handle_responses(turns, body)
-    assert (refused.value.status, refused.value.param, refused.value.message) == (400, param, message)
+    assert await _refusal(handle_responses, body) == (400, param, message)
 
 
 async def test_responses_hosted_tools_are_left_out_and_the_request_is_echoed() -> None:
     seen: list[Any] = []
     left: list[Any] = []
-
-    async def chat(messages: Any, tools: Any, sampling: Sampling) -> ChatResult:
-        seen.append([tool["function"]["name"] for tool in tools])
-        return ChatResult(text="ok", finish_reason="stop", prompt_tokens=1, completion_tokens=1)
 
     body = {
         "input": "Hi",
@@ -431,8 +420,9 @@ async def test_responses_hosted_tools_are_left_out_and_the_request_is_echoed() -
         "tools": [{"type": "web_search", "name": 3}, {"type": "namespace", "name": "ns", "tools": [FN, {"type": "x"}]}],
         "reasoning": {"effort": "high"},
     }
-    turns = ChatTurns(chat, model="m", default_sampling=SAMPLING, on_left_out=left.append)
+    turns = ChatTurns(_recording(seen), model="m", default_sampling=SAMPLING, on_left_out=left.append)
     response = await handle_responses(turns, body)
-    assert response.status == 200 and seen == [["ns__f"]] and left == [["web_search", "ns.x"]]
+    assert response.status == 200 and left == [["web_search", "ns.x"]]
+    assert [tool["function"]["name"] for tool in seen[0][1]] == ["ns__f"]
     assert isinstance(response.body, bytes)
     assert json.loads(response.body)["temperature"] == 1

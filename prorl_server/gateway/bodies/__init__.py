@@ -67,6 +67,18 @@ Present = Annotated[Any, AfterValidator(_present)]
 """Any value but null (a field that must be there, read by a hand-written reader after the model)."""
 
 
+def _object(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid("{path} must be an object")
+    return value
+
+
+ObjectOrEmpty = Annotated[dict[str, Any], PlainValidator(_object)]
+"""A JSON object, {} when absent (a tool call's arguments)."""
+
+
 def path_of(loc: Sequence[int | str], prefix: str = "") -> str:
     """`("messages", 2, "content")` -> `messages[2].content`."""
     path = prefix
@@ -115,4 +127,4 @@ def validate(model: type[Model], data: Any, prefix: str = "") -> Model:
         raise message_of(exc.errors(include_url=False)[0], prefix) from None
 
 
-__all__ = ["Body", "Present", "Strings", "between", "invalid", "message_of", "path_of", "validate"]
+__all__ = ["Body", "ObjectOrEmpty", "Present", "Strings", "between", "invalid", "message_of", "path_of", "validate"]

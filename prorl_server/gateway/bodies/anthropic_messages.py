@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, PlainValidator, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from prorl_server.gateway.bodies import Body, Present, between, invalid
+from prorl_server.gateway.bodies import Body, ObjectOrEmpty, Present, between, invalid
 from prorl_server.gateway.common import kind_of
 
 
@@ -22,14 +22,6 @@ def _string_array(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _input(value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise invalid("{path} must be an object")
-    return value
-
-
 class Message(Body):
     role: StrictStr
     content: Present
@@ -39,7 +31,7 @@ class Message(Body):
 class ToolUse(Body):
     """The fields of an assistant's tool_use block."""
 
-    input: Annotated[dict[str, Any], PlainValidator(_input)] = {}
+    input: ObjectOrEmpty = {}
     id: StrictStr
     name: StrictStr
 

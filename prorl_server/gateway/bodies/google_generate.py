@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic.alias_generators import to_camel
 
-from prorl_server.gateway.bodies import Body, Strings, between, invalid
+from prorl_server.gateway.bodies import Body, ObjectOrEmpty, Strings, between, invalid
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 
@@ -18,14 +18,6 @@ PositiveInt = Annotated[StrictInt, Field(ge=1)]
 def _array_of_parts(value: Any) -> Any:
     if not isinstance(value, list):
         raise invalid("{path} must be an array of parts")
-    return value
-
-
-def _args(value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise invalid("{path} must be an object")
     return value
 
 
@@ -48,7 +40,7 @@ class Part(GoogleBody):
 
 class FunctionCall(GoogleBody):
     name: StrictStr
-    args: Annotated[dict[str, Any], PlainValidator(_args)] = {}
+    args: ObjectOrEmpty = {}
     id: StrictStr | None = None
 
 
