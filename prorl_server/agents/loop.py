@@ -12,7 +12,7 @@ from prorl_server.agents.base import AgentHandler, InstanceT, OutcomeT, RolloutC
 from prorl_server.agents.outcomes import RunOutcome, ToolOutput
 from prorl_server.agents.tools import Tool
 from prorl_server.errors import ContextLengthExceeded
-from prorl_server.llm.base import ChatResult
+from prorl_server.llm.base import ChatMessage, ChatResult
 from prorl_server.llm.tool_calls import ParsedCall, format_hint, from_api, parse_text
 
 
@@ -48,9 +48,9 @@ def _observation_text(output: ToolOutput) -> str:
     return text
 
 
-def _assistant(result: ChatResult, calls: list[ParsedCall], tool_role: bool) -> dict[str, object]:
+def _assistant(result: ChatResult, calls: list[ParsedCall], tool_role: bool) -> ChatMessage:
     """The reply as a message; its calls as `tool_calls` when results go back in the `tool` role."""
-    message: dict[str, object] = {"role": "assistant", "content": result.text}
+    message: ChatMessage = {"role": "assistant", "content": result.text}
     listed = [c for c in calls if c.from_api or (tool_role and c.name)]
     if listed:
         message["tool_calls"] = [

@@ -15,11 +15,11 @@ contract's messages (jobs/wire.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Protocol
 
 from prorl_server.agents.events import EventSink, ModelTurnEvent, ToolCallEvent, ToolResultEvent, TurnSpan
 from prorl_server.agents.outcomes import ToolOutput
-from prorl_server.llm.base import ChatResult, RoutedExperts
+from prorl_server.llm.base import ChatMessage, ChatResult, RoutedExperts
 from prorl_server.llm.tool_calls import ParsedCall
 from prorl_server.sandbox.output import cap_text
 
@@ -62,7 +62,7 @@ class TrajectoryRecorder:
         self._observer = observer
         self._tool_output_left = tool_output_budget
         self._tool_output_budget = tool_output_budget
-        self.messages: list[dict[str, Any]] = []
+        self.messages: list[ChatMessage] = []
         self.policy_versions: list[int] = []
         self.turn_spans: list[TurnSpan] = []
         self.routed_experts: RoutedExperts | None = None
@@ -89,7 +89,7 @@ class TrajectoryRecorder:
         """A recorder for a fork: this one's trajectory up to `mark`, its events to `emit`.
         Time spent (llm_s, tools_s) starts at 0: it is the fork's own."""
         other = TrajectoryRecorder(emit, observer, tool_output_budget=self._tool_output_budget)
-        other.messages = [dict(m) for m in self.messages[: mark.messages]]
+        other.messages = [m.copy() for m in self.messages[: mark.messages]]
         other.policy_versions = self.policy_versions[: mark.policy_versions]
         other.turn_spans = self.turn_spans[: mark.turn_spans]
         other.num_turns = mark.num_turns
@@ -98,7 +98,7 @@ class TrajectoryRecorder:
         other.routed_experts = mark.routed_experts
         return other
 
-    def add_message(self, message: dict[str, Any]) -> None:
+    def add_message(self, message: ChatMessage) -> None:
         self.messages.append(message)
 
     def model_turn(self, turn: int, result: ChatResult) -> None:

@@ -34,9 +34,17 @@ import json
 import math
 from typing import Any
 
+from prorl_server.gateway.bodies import validate
+from prorl_server.gateway.bodies.anthropic_messages import (
+    CustomTool,
+    MessagesBody,
+    MessagesRequest,
+    NamedChoice,
+    ToolResult,
+    ToolUse,
+)
 from prorl_server.gateway.common import (
     ChatTurns,
-    Fields,
     GatewayError,
     Reply,
     bad_request,
@@ -48,6 +56,7 @@ from prorl_server.gateway.common import (
     sse_event,
     sse_response,
 )
+from prorl_server.llm.base import ChatMessage, ToolCall
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
 ERROR_TYPES = {
@@ -104,8 +113,8 @@ def _unsupported(block: dict[str, Any], path: str) -> GatewayError:
     )
 
 
-def _result_text(block: dict[str, Any], path: str) -> str:
-    content = block.get("content")
+def _result_text(result: ToolResult, path: str) -> str:
+    content = result.content
     if content is None:
         return ""
     texts = []
@@ -116,8 +125,8 @@ def _result_text(block: dict[str, Any], path: str) -> str:
     return "\n".join(texts)
 
 
-def system_of(fields: Fields) -> str | None:
-    system = fields.get("system")
+def system_of(body: MessagesBody) -> str | None:
+    system = body.system
     if system is None:
         return None
     texts = []
@@ -128,20 +137,15 @@ def system_of(fields: Fields) -> str | None:
     return "\n".join(texts)
 
 
-def messages_of(fields: Fields) -> list[dict[str, Any]]:
-    raw = fields.array("messages", required=True)
-    assert raw is not None
-    messages: list[dict[str, Any]] = []
-    system = system_of(fields)
+def messages_of(body: MessagesBody) -> list[ChatMessage]:
+    messages: list[ChatMessage] = []
+    system = system_of(body)
     if system is not None:
         messages.append({"role": "system", "content": system})
-    for index, value in enumerate(raw):
+    for index, message in enumerate(body.messages):
         path = f"messages[{index}]"
-        message = Fields.of(value, path)
-        role = message.required_string("role")
-        if message.get("content") is None:
-            raise bad_request(f"{path}.content: this field is required", f"{path}.content")
-        blocks = _blocks(message.get("content"), f"{path}.content")
+        role = message.role
+        blocks = _blocks(message.content, f"{path}.content")
         if role == "user":
             messages.extend(_user(blocks))
         elif role == "assistant":
@@ -160,8 +164,8 @@ def _system_text(blocks: list[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(_text(block, where) for where, block in blocks)
 
 
-def _user(blocks: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _user(blocks: list[tuple[str, dict[str, Any]]]) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
     texts: list[str] = []
     for where, block in blocks:
         kind = block.get("type")
@@ -171,8 +175,8 @@ def _user(blocks: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
-            call_id = Fields(block, where).required_string("tool_use_id")
-            out.append({"role": "tool", "tool_call_id": call_id, "content": _result_text(block, where)})
+            result = validate(ToolResult, block, where)
+            out.append({"role": "tool", "tool_call_id": result.tool_use_id, "content": _result_text(result, where)})
         else:
             raise _unsupported(block, where)
     if texts or not out:
@@ -180,57 +184,46 @@ def _user(blocks: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant(blocks: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+def _assistant(blocks: list[tuple[str, dict[str, Any]]]) -> ChatMessage:
     texts: list[str] = []
-    calls: list[dict[str, Any]] = []
+    calls: list[ToolCall] = []
     for where, block in blocks:
         kind = block.get("type")
         if kind == "text":
             texts.append(_text(block, where))
         elif kind == "tool_use":
-            fields = Fields(block, where)
-            arguments = block.get("input")
-            if arguments is None:
-                arguments = {}
-            if not isinstance(arguments, dict):
-                raise bad_request(f"{where}.input must be an object", f"{where}.input")
+            use = validate(ToolUse, block, where)
             calls.append(
-                {
-                    "id": fields.required_string("id"),
-                    "type": "function",
-                    "function": {"name": fields.required_string("name"), "arguments": json.dumps(arguments)},
-                }
+                {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": json.dumps(use.input)}}
             )
         elif kind in ("thinking", "redacted_thinking"):
             continue
         else:
             raise _unsupported(block, where)
-    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    message: ChatMessage = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
     return message
 
 
-def tools_of(fields: Fields, left_out: list[str] | None = None) -> tuple[list[dict[str, Any]], bool]:
+def tools_of(body: MessagesBody, left_out: list[str] | None = None) -> tuple[list[dict[str, Any]], bool]:
     """The tools to send and whether to read tool calls from the reply, after `tool_choice`. Server
     and Anthropic-defined tools (web search, code execution, bash, text editor, ...) are left out of
     what the model sees, their types added to `left_out`."""
     tools: list[dict[str, Any]] = []
-    for index, value in enumerate(fields.array("tools") or []):
+    for index, entry in enumerate(body.tools or []):
         path = f"tools[{index}]"
-        tool = Fields.of(value, path)
-        kind = tool.string("type")
+        kind = entry.type
         if kind not in (None, "custom"):
             if left_out is not None:
                 left_out.append(kind)
             continue
-        tools.append(
-            function_tool(tool.required_string("name"), tool.string("description"), tool.get("input_schema"), path)
-        )
-    choice = fields.obj("tool_choice")
+        tool = validate(CustomTool, entry.model_extra, path)
+        tools.append(function_tool(tool.name, tool.description, tool.input_schema, path))
+    choice = body.tool_choice
     if choice is None:
         return tools, bool(tools)
-    kind = choice.required_string("type")
+    kind = choice.type
     if kind == "auto":
         return tools, bool(tools)
     if kind == "none":
@@ -240,7 +233,8 @@ def tools_of(fields: Fields, left_out: list[str] | None = None) -> tuple[list[di
             raise bad_request("tool_choice is 'any' but the request has no tools", "tool_choice")
         return tools, True
     if kind == "tool":
-        return only_tool(tools, choice.required_string("name"), "tool_choice"), True
+        name = validate(NamedChoice, choice.model_extra, "tool_choice").name
+        return only_tool(tools, name, "tool_choice"), True
     raise bad_request(f"tool_choice.type must be auto, any, tool or none, not {kind!r}", "tool_choice.type")
 
 
@@ -309,26 +303,21 @@ def message_events(reply: Reply, *, model: str) -> list[bytes]:
 
 
 async def handle_messages(turns: ChatTurns, body: dict[str, Any]) -> HttpResponse:
-    fields = Fields(body)
-    max_tokens = fields.integer("max_tokens", minimum=1, required=True)
-    messages = messages_of(fields)
+    request = validate(MessagesRequest, body)
+    messages = messages_of(request)
     left_out: list[str] = []
-    tools, parse_calls = tools_of(fields, left_out)
+    tools, parse_calls = tools_of(request, left_out)
     turns.left_out(left_out)
-    stop = fields.array("stop_sequences")
-    if stop is not None and not all(isinstance(item, str) for item in stop):
-        raise bad_request("stop_sequences must be an array of strings", "stop_sequences")
     sampling = sampling_for(
         turns.default_sampling,
-        max_tokens=max_tokens,
-        temperature=fields.number("temperature", minimum=0.0, maximum=1.0),
-        top_p=fields.number("top_p", minimum=0.0, maximum=1.0),
-        stop=tuple(stop) if stop is not None else None,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stop=request.stop_sequences,
     )
-    stream = fields.boolean("stream")
-    model = fields.string("model") or turns.model
+    model = request.model or turns.model
     reply = await turns.run(messages, tools, sampling, parse_calls=parse_calls)
-    if stream:
+    if request.stream:
         return sse_response(message_events(reply, model=model))
     return json_response(200, message_object(reply, model=model))
 
@@ -338,9 +327,9 @@ CHARS_PER_TOKEN = 4
 
 def handle_count_tokens(body: dict[str, Any]) -> HttpResponse:
     """A rough estimate (see the module docstring); the request is checked as a messages request."""
-    fields = Fields(body)
-    messages = messages_of(fields)
-    tools, _ = tools_of(fields)
+    request = validate(MessagesBody, body)
+    messages = messages_of(request)
+    tools, _ = tools_of(request)
     size = len(json.dumps(messages, ensure_ascii=False)) + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0)
     return json_response(200, {"input_tokens": math.ceil(size / CHARS_PER_TOKEN)})
 

@@ -52,12 +52,13 @@ from typing import Any
 from prorl_server.errors import LLMError
 from prorl_server.gateway.common import read_reply
 from prorl_server.gateway.sampling import as_rows, clamp
-from prorl_server.llm.base import ChatResult, Sampling
+from prorl_server.llm.base import ChatMessage, ChatResult, Sampling
 from prorl_server.llm.job_chat import JobChat
 from prorl_server.llm.router import BackendRouter
 from prorl_server.llm.session import LLMSession
 
-Message = dict[str, Any]
+Message = ChatMessage
+"""A message of a program's conversation (the alias reads as what the chains compare)."""
 
 PROGRAM_CAUSED = frozenset({"llm_bad_request", "llm_prompt"})
 """LLMError reasons that the program's request caused (the backend refused it with a 4xx; a history
@@ -197,7 +198,7 @@ class _Shown:
             shown = self._by_sampled.get(content)
             if shown is not None:
                 return {**message, "content": shown}
-        return dict(message)
+        return message.copy()
 
 
 class CallChains:
@@ -385,7 +386,7 @@ def capped_conversation(messages: Sequence[Message], budget: int) -> tuple[list[
             cut_chars += cut
             message = {**message, "content": content}
         else:
-            message = dict(message)
+            message = message.copy()
         kept.append(message)
     sizes = [_size(m) for m in kept]
     total, dropped = sum(sizes), 0

@@ -1,4 +1,4 @@
-"""What the gateway's protocols share: reading request fields, one turn on the job's chat, the reply.
+"""What the gateway's protocols share: the request's JSON, one turn on the job's chat, the reply.
 
 Every protocol module turns its request into the messages, tools and sampling
 of one `ChatFn` call (OpenAI chat form: roles system/user/assistant/tool,
@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from prorl_server.llm.base import ChatFn, ChatResult, Sampling
+from prorl_server.llm.base import ChatFn, ChatMessage, ChatResult, Sampling
 from prorl_server.llm.tool_calls import ParsedCall, from_api, parse_text, text_without_calls
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
@@ -73,11 +73,12 @@ def parse_body(body: bytes) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise bad_request(f"the request body must be a JSON object, not {_kind(data)}")
+        raise bad_request(f"the request body must be a JSON object, not {kind_of(data)}")
     return data
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """How an error names a JSON value's type ("a string", "null", ...)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -91,116 +92,6 @@ def _kind(value: Any) -> str:
     if isinstance(value, dict):
         return "an object"
     return type(value).__name__
-
-
-class Fields:
-    """One JSON object of a request, read field by field. A null counts as absent; a problem is a
-    400 naming the field by its path (e.g. `messages[2].content`)."""
-
-    def __init__(self, data: Mapping[str, Any], path: str = "") -> None:
-        self.data = data
-        self.path = path
-
-    @classmethod
-    def of(cls, value: Any, path: str) -> Fields:
-        if not isinstance(value, dict):
-            raise bad_request(f"{path} must be an object, not {_kind(value)}", path)
-        return cls(value, path)
-
-    def name(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def get(self, key: str) -> Any:
-        return self.data.get(key)
-
-    def has(self, key: str) -> bool:
-        return self.data.get(key) is not None
-
-    def _missing(self, key: str) -> GatewayError:
-        return bad_request(f"{self.name(key)}: this field is required", self.name(key))
-
-    def _wrong(self, key: str, expected: str) -> GatewayError:
-        value = self.data.get(key)
-        return bad_request(f"{self.name(key)} must be {expected}, not {_kind(value)}", self.name(key))
-
-    def string(self, key: str, *, required: bool = False) -> str | None:
-        value = self.data.get(key)
-        if value is None:
-            if required:
-                raise self._missing(key)
-            return None
-        if not isinstance(value, str):
-            raise self._wrong(key, "a string")
-        return value
-
-    def required_string(self, key: str) -> str:
-        value = self.string(key, required=True)
-        assert value is not None
-        return value
-
-    def integer(self, key: str, *, minimum: int | None = None, required: bool = False) -> int | None:
-        value = self.data.get(key)
-        if value is None:
-            if required:
-                raise self._missing(key)
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self._wrong(key, "an integer")
-        if minimum is not None and value < minimum:
-            raise bad_request(f"{self.name(key)} must be at least {minimum}, not {value}", self.name(key))
-        return value
-
-    def number(self, key: str, *, minimum: float | None = None, maximum: float | None = None) -> float | None:
-        value = self.data.get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self._wrong(key, "a number")
-        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-            raise bad_request(f"{self.name(key)} must be between {minimum} and {maximum}, not {value}", self.name(key))
-        return float(value)
-
-    def boolean(self, key: str) -> bool:
-        value = self.data.get(key)
-        if value is None:
-            return False
-        if not isinstance(value, bool):
-            raise self._wrong(key, "a boolean")
-        return value
-
-    def array(self, key: str, *, required: bool = False) -> list[Any] | None:
-        value = self.data.get(key)
-        if value is None:
-            if required:
-                raise self._missing(key)
-            return None
-        if not isinstance(value, list):
-            raise self._wrong(key, "an array")
-        return value
-
-    def obj(self, key: str) -> Fields | None:
-        value = self.data.get(key)
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise self._wrong(key, "an object")
-        return Fields(value, self.name(key))
-
-    def strings(self, key: str) -> tuple[str, ...] | None:
-        """A string or an array of strings (stop sequences)."""
-        value = self.data.get(key)
-        if value is None:
-            return None
-        if isinstance(value, str):
-            return (value,)
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            return tuple(value)
-        raise self._wrong(key, "a string or an array of strings")
-
-    def template_kwargs(self, key: str = "chat_template_kwargs") -> dict[str, Any]:
-        """vLLM's per-request chat template arguments (e.g. {"enable_thinking": false})."""
-        found = self.obj(key)
-        return dict(found.data) if found is not None else {}
 
 
 def sampling_for(
@@ -236,7 +127,7 @@ def text_of(content: Any, path: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{path} must be a string or an array of content parts, not {_kind(content)}", path)
+        raise bad_request(f"{path} must be a string or an array of content parts, not {kind_of(content)}", path)
     texts: list[str] = []
     for index, part in enumerate(content):
         where = f"{path}[{index}]"
@@ -244,12 +135,12 @@ def text_of(content: Any, path: str) -> str:
             texts.append(part)
             continue
         if not isinstance(part, dict):
-            raise bad_request(f"{where} must be an object, not {_kind(part)}", where)
+            raise bad_request(f"{where} must be an object, not {kind_of(part)}", where)
         kind = part.get("type")
         if kind in TEXT_PART_TYPES:
             text = part.get("text")
             if not isinstance(text, str):
-                raise bad_request(f"{where}.text must be a string, not {_kind(text)}", f"{where}.text")
+                raise bad_request(f"{where}.text must be a string, not {kind_of(text)}", f"{where}.text")
             texts.append(text)
         elif kind == "refusal":
             continue
@@ -269,7 +160,7 @@ def function_tool(name: str, description: str | None, parameters: Any, path: str
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise bad_request(f"{path}: the parameters schema must be an object, not {_kind(parameters)}", path)
+        raise bad_request(f"{path}: the parameters schema must be an object, not {kind_of(parameters)}", path)
     function: dict[str, Any] = {"name": name}
     if description:
         function["description"] = description
@@ -369,7 +260,7 @@ class ChatTurns:
 
     async def run(
         self,
-        messages: Sequence[dict[str, Any]],
+        messages: Sequence[ChatMessage],
         tools: Sequence[dict[str, Any]],
         sampling: Sampling,
         *,
@@ -397,13 +288,13 @@ class ChatTurns:
         while len(self._sampled) > self._capacity:
             self._sampled.popitem(last=False)
 
-    def restore(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    def restore(self, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
         """The history with this gateway's replies' text as sampled, tool messages named after their calls.
 
         A reply is put back when the program's copy has one of its call ids and its text is part of
         the sampled text (the gateway only took the calls' markup out); a copy the program edited
         stays as the program sent it."""
-        history: list[dict[str, Any]] = []
+        history: list[ChatMessage] = []
         names: dict[str, str] = {}
         for message in messages:
             role = message.get("role")

@@ -37,9 +37,18 @@ import re
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from prorl_server.gateway.bodies import validate
+from prorl_server.gateway.bodies.google_generate import (
+    Content,
+    CountTokensRequest,
+    FunctionCall,
+    FunctionResponse,
+    GenerateRequest,
+    GenerationConfig,
+    Part,
+)
 from prorl_server.gateway.common import (
     ChatTurns,
-    Fields,
     GatewayError,
     Reply,
     bad_request,
@@ -51,6 +60,7 @@ from prorl_server.gateway.common import (
     sampling_for,
     sse_response,
 )
+from prorl_server.llm.base import ChatMessage, ToolCall
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
 ROUTE = re.compile(r"^/(?:v1beta|v1alpha|v1)?/?models/(?P<model>[^/:]+):(?P<method>[A-Za-z]+)$")
@@ -91,39 +101,29 @@ def is_google(path: str) -> bool:
 # Requests
 
 
-def _parts(content: Fields) -> list[tuple[str, Fields]]:
-    raw = content.get("parts")
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise bad_request(f"{content.name('parts')} must be an array of parts", content.name("parts"))
-    return [
-        (f"{content.name('parts')}[{i}]", Fields.of(part, f"{content.name('parts')}[{i}]"))
-        for i, part in enumerate(raw)
-    ]
+def _parts(content: Content, path: str) -> list[tuple[str, Part]]:
+    return [(f"{path}.parts[{i}]", part) for i, part in enumerate(content.parts or [])]
 
 
-def _unsupported(part: Fields, path: str) -> GatewayError:
-    kinds = ", ".join(sorted(key for key in part.data if part.data[key] is not None)) or "an empty part"
+def _unsupported(part: Part, path: str) -> GatewayError:
     return bad_request(
-        f"{path} is a part with {kinds}: this gateway takes text, functionCall and functionResponse "
+        f"{path} is a part with {part.kinds()}: this gateway takes text, functionCall and functionResponse "
         "parts only (no inline or file data, no executable code)",
         path,
     )
 
 
-def system_of(fields: Fields) -> str | None:
-    system = fields.get("systemInstruction")
+def system_of(request: GenerateRequest) -> str | None:
+    system = request.system_instruction
     if system is None:
         return None
     if isinstance(system, str):
         return system
     texts = []
-    for path, part in _parts(Fields.of(system, "systemInstruction")):
-        text = part.string("text")
-        if text is None:
+    for path, part in _parts(validate(Content, system, "systemInstruction"), "systemInstruction"):
+        if part.text is None:
             raise _unsupported(part, path)
-        texts.append(text)
+        texts.append(part.text)
     return "\n".join(texts)
 
 
@@ -138,82 +138,79 @@ def _response_text(response: Any) -> str:
     return json.dumps(response, ensure_ascii=False)
 
 
-def messages_of(fields: Fields) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
-    system = system_of(fields)
+def messages_of(request: GenerateRequest) -> list[ChatMessage]:
+    messages: list[ChatMessage] = []
+    system = system_of(request)
     if system:
         messages.append({"role": "system", "content": system})
-    contents = fields.array("contents", required=True) or []
     unanswered: list[tuple[str, str]] = []  # (id, name) of the calls not yet answered
-    for index, value in enumerate(contents):
-        content = Fields.of(value, f"contents[{index}]")
-        role = content.string("role") or "user"
+    for index, content in enumerate(request.contents):
+        role = content.role or "user"
         if role == "model":
             messages.append(_model_message(content, index, unanswered))
         elif role in ("user", "function", "tool"):
             messages.extend(_user_messages(content, index, unanswered))
         else:
-            raise bad_request(f"contents[{index}].role must be 'user' or 'model', not {role!r}", content.name("role"))
+            raise bad_request(
+                f"contents[{index}].role must be 'user' or 'model', not {role!r}", f"contents[{index}].role"
+            )
     return messages
 
 
-def _model_message(content: Fields, index: int, unanswered: list[tuple[str, str]]) -> dict[str, Any]:
+def _model_message(content: Content, index: int, unanswered: list[tuple[str, str]]) -> ChatMessage:
     texts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for part_index, (path, part) in enumerate(_parts(content)):
-        if part.boolean("thought"):
+    calls: list[ToolCall] = []
+    for part_index, (path, part) in enumerate(_parts(content, f"contents[{index}]")):
+        if part.thought:
             continue
-        call = part.obj("functionCall")
-        text = part.string("text")
-        if call is not None:
-            name = call.required_string("name")
-            arguments = call.get("args")
-            if arguments is None:
-                arguments = {}
-            if not isinstance(arguments, dict):
-                raise bad_request(f"{path}.functionCall.args must be an object", f"{path}.functionCall.args")
-            call_id = call.string("id") or f"call_{index}_{part_index}"
-            unanswered.append((call_id, name))
+        if part.function_call is not None:
+            call = validate(FunctionCall, part.function_call, f"{path}.functionCall")
+            call_id = call.id or f"call_{index}_{part_index}"
+            unanswered.append((call_id, call.name))
             calls.append(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": json.dumps(call.args)},
+                }
             )
-        elif text is not None:
-            texts.append(text)
+        elif part.text is not None:
+            texts.append(part.text)
         else:
             raise _unsupported(part, path)
-    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    message: ChatMessage = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
     return message
 
 
-def _user_messages(content: Fields, index: int, unanswered: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _user_messages(content: Content, index: int, unanswered: list[tuple[str, str]]) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
     texts: list[str] = []
-    for part_index, (path, part) in enumerate(_parts(content)):
-        result = part.obj("functionResponse")
-        text = part.string("text")
-        if result is not None:
+    for part_index, (path, part) in enumerate(_parts(content, f"contents[{index}]")):
+        if part.function_response is not None:
+            result = validate(FunctionResponse, part.function_response, f"{path}.functionResponse")
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
-            name = result.required_string("name")
-            call_id = result.string("id")
+            name = result.name
+            call_id = result.id
             answered = next((i for i, (cid, cname) in enumerate(unanswered) if cid == call_id), None)
             if answered is None and call_id is None:
                 answered = next((i for i, (_, cname) in enumerate(unanswered) if cname == name), None)
             if answered is not None:
                 call_id = unanswered.pop(answered)[0]
-            message = {
-                "role": "tool",
-                "tool_call_id": call_id or f"call_{index}_{part_index}",
-                "name": name,
-                "content": _response_text(result.get("response")),
-            }
-            out.append(message)
-        elif text is not None:
-            if not part.boolean("thought"):
-                texts.append(text)
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id or f"call_{index}_{part_index}",
+                    "name": name,
+                    "content": _response_text(result.response),
+                }
+            )
+        elif part.text is not None:
+            if not part.thought:
+                texts.append(part.text)
         else:
             raise _unsupported(part, path)
     if texts or not out:
@@ -238,31 +235,21 @@ def _json_schema(schema: Any) -> Any:
     return schema
 
 
-def tools_of(fields: Fields, left_out: list[str]) -> tuple[list[dict[str, Any]], bool]:
+def tools_of(request: GenerateRequest, left_out: list[str]) -> tuple[list[dict[str, Any]], bool]:
     """The tools to send and whether to read calls, after `toolConfig`; the kinds left out added to
     `left_out`."""
     tools: list[dict[str, Any]] = []
-    for index, value in enumerate(fields.array("tools") or []):
-        path = f"tools[{index}]"
-        tool = Fields.of(value, path)
-        for key, inner in tool.data.items():
-            if inner is None:
-                continue
-            if key != "functionDeclarations":
-                left_out.append(key)
-                continue
-            for declaration_index, declaration_value in enumerate(tool.array(key) or []):
-                where = f"{path}.functionDeclarations[{declaration_index}]"
-                declaration = Fields.of(declaration_value, where)
-                schema = declaration.get("parametersJsonSchema")
-                if schema is None and declaration.get("parameters") is not None:
-                    schema = _json_schema(declaration.get("parameters"))
-                tools.append(
-                    function_tool(declaration.required_string("name"), declaration.string("description"), schema, where)
-                )
-    config = fields.obj("toolConfig")
-    calling = config.obj("functionCallingConfig") if config is not None else None
-    mode = (calling.string("mode") if calling is not None else None) or "AUTO"
+    for index, tool in enumerate(request.tools or []):
+        left_out.extend(key for key, inner in (tool.model_extra or {}).items() if inner is not None)
+        for declaration_index, declaration in enumerate(tool.function_declarations or []):
+            where = f"tools[{index}].functionDeclarations[{declaration_index}]"
+            schema = declaration.parameters_json_schema
+            if schema is None and declaration.parameters is not None:
+                schema = _json_schema(declaration.parameters)
+            tools.append(function_tool(declaration.name, declaration.description, schema, where))
+    config = request.tool_config
+    calling = config.function_calling_config if config is not None else None
+    mode = (calling.mode if calling is not None else None) or "AUTO"
     mode = mode.upper()
     if mode in ("AUTO", "VALIDATED", "MODE_UNSPECIFIED"):
         return tools, bool(tools)
@@ -270,7 +257,7 @@ def tools_of(fields: Fields, left_out: list[str]) -> tuple[list[dict[str, Any]],
         return [], False
     if mode == "ANY":
         assert calling is not None
-        allowed = calling.array("allowedFunctionNames")
+        allowed = calling.allowed_function_names
         if allowed:
             if len(allowed) == 1:
                 return only_tool(tools, str(allowed[0]), "toolConfig.functionCallingConfig.allowedFunctionNames"), True
@@ -325,25 +312,23 @@ async def handle_generate(turns: ChatTurns, body: dict[str, Any], *, path: str) 
     match = ROUTE.match(target.path)
     assert match is not None
     model, method = match["model"], match["method"]
-    fields = Fields(body)
-    messages = messages_of(fields)
+    request = validate(GenerateRequest, body)
+    messages = messages_of(request)
     left_out: list[str] = []
-    tools, parse_calls = tools_of(fields, left_out)
+    tools, parse_calls = tools_of(request, left_out)
     turns.left_out(left_out)
-    config = fields.obj("generationConfig") or Fields({}, "generationConfig")
-    candidates = config.integer("candidateCount", minimum=1)
-    if candidates is not None and candidates > 1:
+    config = request.generation_config or GenerationConfig()
+    if config.candidate_count is not None and config.candidate_count > 1:
         raise bad_request(
-            "generationConfig.candidateCount must be 1: one sample per call", config.name("candidateCount")
+            "generationConfig.candidateCount must be 1: one sample per call", "generationConfig.candidateCount"
         )
-    stop = config.strings("stopSequences")
     sampling = sampling_for(
         turns.default_sampling,
-        max_tokens=config.integer("maxOutputTokens", minimum=1),
-        temperature=config.number("temperature", minimum=0.0, maximum=2.0),
-        top_p=config.number("topP", minimum=0.0, maximum=1.0),
-        stop=stop,
-        seed=config.integer("seed"),
+        max_tokens=config.max_output_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        stop=config.stop_sequences,
+        seed=config.seed,
     )
     reply = await turns.run(messages, tools, sampling, parse_calls=parse_calls)
     answer = response_object(reply, model=model)
@@ -359,14 +344,13 @@ CHARS_PER_TOKEN = 4
 
 def handle_count_tokens(body: dict[str, Any]) -> HttpResponse:
     """A rough estimate, as Anthropic's count_tokens: about 4 characters a token."""
-    fields = Fields(body)
-    inner = fields.obj("generateContentRequest")
-    if inner is not None:
-        fields = inner
-    if not fields.has("contents"):
+    inner = validate(CountTokensRequest, body).generate_content_request
+    counted, prefix = (inner, "generateContentRequest") if inner is not None else (body, "")
+    if counted.get("contents") is None:
         return json_response(200, {"totalTokens": 0})
-    messages = messages_of(fields)
-    tools, _ = tools_of(fields, [])
+    request = validate(GenerateRequest, counted, prefix)
+    messages = messages_of(request)
+    tools, _ = tools_of(request, [])
     size = len(json.dumps(messages, ensure_ascii=False)) + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0)
     return json_response(200, {"totalTokens": math.ceil(size / CHARS_PER_TOKEN)})
 

@@ -21,13 +21,20 @@ Ignored: `response_format`, `logprobs`, `top_logprobs`, penalties, `logit_bias`,
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
+from prorl_server.gateway.bodies import validate
+from prorl_server.gateway.bodies.openai_chat import (
+    AssistantCall,
+    AssistantFields,
+    ChatCompletionRequest,
+    Message,
+    ToolChoice,
+    ToolFields,
+)
 from prorl_server.gateway.common import (
     ChatTurns,
-    Fields,
     GatewayError,
     Reply,
     bad_request,
@@ -41,6 +48,7 @@ from prorl_server.gateway.common import (
     sse_response,
     text_of,
 )
+from prorl_server.llm.base import ChatMessage, ToolCall
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
 OWNER = "prorl"
@@ -83,90 +91,69 @@ def error_body(error: GatewayError) -> dict[str, Any]:
     }
 
 
-def messages_of(fields: Fields) -> list[dict[str, Any]]:
-    raw = fields.array("messages", required=True)
-    assert raw is not None
-    return [_message(value, f"messages[{index}]") for index, value in enumerate(raw)]
+def messages_of(request: ChatCompletionRequest) -> list[ChatMessage]:
+    return [_message(message, f"messages[{index}]") for index, message in enumerate(request.messages)]
 
 
-def _message(value: Any, path: str) -> dict[str, Any]:
-    fields = Fields.of(value, path)
-    role = fields.required_string("role")
-    content = text_of(fields.get("content"), fields.name("content"))
+def _message(message: Message, path: str) -> ChatMessage:
+    role = message.role
+    content = text_of(message.content, f"{path}.content")
     if role in ("system", "developer"):
         return {"role": "system", "content": content}
     if role == "user":
         return {"role": "user", "content": content}
     if role == "assistant":
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        calls = fields.array("tool_calls")
+        assistant: ChatMessage = {"role": "assistant", "content": content}
+        calls = validate(AssistantFields, message.model_extra, path).tool_calls
         if calls:
-            message["tool_calls"] = [_tool_call(call, f"{path}.tool_calls[{i}]") for i, call in enumerate(calls)]
-        return message
+            assistant["tool_calls"] = [_tool_call(call) for call in calls]
+        return assistant
     if role == "tool":
-        return {"role": "tool", "tool_call_id": fields.required_string("tool_call_id"), "content": content}
+        call_id = validate(ToolFields, message.model_extra, path).tool_call_id
+        return {"role": "tool", "tool_call_id": call_id, "content": content}
     if role == "function":
-        raise bad_request(f"{path}.role: the legacy 'function' role is not supported; use 'tool'", fields.name("role"))
-    raise bad_request(f"{path}.role: unknown role {role!r}", fields.name("role"))
+        raise bad_request(f"{path}.role: the legacy 'function' role is not supported; use 'tool'", f"{path}.role")
+    raise bad_request(f"{path}.role: unknown role {role!r}", f"{path}.role")
 
 
-def _tool_call(value: Any, path: str) -> dict[str, Any]:
-    fields = Fields.of(value, path)
-    function = fields.obj("function")
-    if function is None:
-        raise bad_request(f"{path}.function: this field is required", f"{path}.function")
-    arguments = function.get("arguments")
-    if arguments is None:
-        arguments = "{}"
-    elif isinstance(arguments, dict):
-        arguments = json.dumps(arguments)
-    elif not isinstance(arguments, str):
-        raise bad_request(f"{path}.function.arguments must be a string", f"{path}.function.arguments")
+def _tool_call(call: AssistantCall) -> ToolCall:
     return {
-        "id": fields.required_string("id"),
+        "id": call.id,
         "type": "function",
-        "function": {"name": function.required_string("name"), "arguments": arguments},
+        "function": {"name": call.function.name, "arguments": call.function.arguments},
     }
 
 
-def tools_of(fields: Fields) -> tuple[list[dict[str, Any]], bool]:
+def tools_of(request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], bool]:
     """The tools to send and whether to read tool calls from the reply, after `tool_choice`."""
     tools: list[dict[str, Any]] = []
-    for index, value in enumerate(fields.array("tools") or []):
+    for index, tool in enumerate(request.tools or []):
         path = f"tools[{index}]"
-        tool = Fields.of(value, path)
-        kind = tool.string("type") or "function"
+        kind = tool.type or "function"
         if kind != "function":
             raise bad_request(f"{path} is a {kind!r} tool: only function tools are supported", path)
-        function = tool.obj("function")
-        if function is None:
+        if tool.function is None:
             raise bad_request(f"{path}.function: this field is required", f"{path}.function")
-        tools.append(
-            function_tool(
-                function.required_string("name"), function.string("description"), function.get("parameters"), path
-            )
-        )
-    choice = fields.get("tool_choice")
+        function = tool.function
+        tools.append(function_tool(function.name, function.description, function.parameters, path))
+    choice = request.tool_choice
     plain = plain_tool_choice(choice, tools)
     if plain is not None:
         return plain
     if isinstance(choice, dict):
-        chosen = Fields(choice, "tool_choice")
-        choice_kind = chosen.string("type")
-        if choice_kind == "function":
-            function = chosen.obj("function")
-            if function is None:
+        chosen = validate(ToolChoice, choice, "tool_choice")
+        if chosen.type == "function":
+            if chosen.function is None:
                 raise bad_request("tool_choice.function: this field is required", "tool_choice.function")
-            return only_tool(tools, function.required_string("name"), "tool_choice"), True
-        if choice_kind == "allowed_tools":
-            allowed = chosen.obj("allowed_tools")
-            listed = allowed.array("tools") if allowed is not None else None
+            return only_tool(tools, chosen.function.name, "tool_choice"), True
+        if chosen.type == "allowed_tools":
+            listed = chosen.allowed_tools.tools if chosen.allowed_tools is not None else None
             if listed is None:
                 raise bad_request("tool_choice.allowed_tools.tools: this field is required", "tool_choice")
             names = {str((item.get("function") or {}).get("name")) for item in listed if isinstance(item, dict)}
             narrowed = [tool for tool in tools if tool["function"]["name"] in names]
             return narrowed, bool(narrowed)
-        raise bad_request(f"tool_choice of type {choice_kind!r} is not supported", "tool_choice")
+        raise bad_request(f"tool_choice of type {chosen.type!r} is not supported", "tool_choice")
     raise bad_request("tool_choice must be 'auto', 'none', 'required' or a function", "tool_choice")
 
 
@@ -231,33 +218,28 @@ def completion_chunks(reply: Reply, *, model: str, include_usage: bool) -> list[
 
 
 async def handle_chat_completions(turns: ChatTurns, body: dict[str, Any]) -> HttpResponse:
-    fields = Fields(body)
-    n = fields.integer("n", minimum=1)
-    if n is not None and n != 1:
-        raise bad_request(f"n: only one choice per request is supported, not {n}", "n")
+    request = validate(ChatCompletionRequest, body)
+    if request.n is not None and request.n != 1:
+        raise bad_request(f"n: only one choice per request is supported, not {request.n}", "n")
     for legacy in ("functions", "function_call"):
-        if fields.has(legacy):
+        if getattr(request, legacy) is not None:
             raise bad_request(f"{legacy}: the legacy function-calling fields are not supported; use tools", legacy)
-    messages = messages_of(fields)
-    tools, parse_calls = tools_of(fields)
-    max_tokens = fields.integer("max_completion_tokens", minimum=1)
-    if max_tokens is None:
-        max_tokens = fields.integer("max_tokens", minimum=1)
+    messages = messages_of(request)
+    tools, parse_calls = tools_of(request)
     sampling = sampling_for(
         turns.default_sampling,
-        max_tokens=max_tokens,
-        temperature=fields.number("temperature", minimum=0.0, maximum=2.0),
-        top_p=fields.number("top_p", minimum=0.0, maximum=1.0),
-        stop=fields.strings("stop"),
-        seed=fields.integer("seed"),
-        template_kwargs=fields.template_kwargs(),
+        max_tokens=request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stop=request.stop,
+        seed=request.seed,
+        template_kwargs=request.chat_template_kwargs,
     )
-    stream = fields.boolean("stream")
-    options = fields.obj("stream_options")
-    include_usage = options.boolean("include_usage") if options is not None else False
-    model = fields.string("model") or turns.model
+    options = request.stream_options
+    include_usage = bool(options is not None and options.include_usage)
+    model = request.model or turns.model
     reply = await turns.run(messages, tools, sampling, parse_calls=parse_calls)
-    if stream:
+    if request.stream:
         return sse_response(completion_chunks(reply, model=model, include_usage=include_usage))
     return json_response(200, completion(reply, model=model))
 

@@ -33,11 +33,23 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
+from prorl_server.gateway.bodies import validate
+from prorl_server.gateway.bodies.openai_responses import (
+    AllowedTools,
+    ChosenTool,
+    CustomCallItem,
+    FunctionCallItem,
+    Item,
+    MessageItem,
+    NamedChoice,
+    OutputItem,
+    ResponsesRequest,
+)
 from prorl_server.gateway.common import (
     ChatTurns,
-    Fields,
     Reply,
     bad_request,
     json_response,
@@ -50,17 +62,17 @@ from prorl_server.gateway.common import (
     text_of,
 )
 from prorl_server.gateway.responses_tools import CUSTOM_INPUT, ResponsesTools
+from prorl_server.llm.base import ChatMessage, ToolCall
 from prorl_server.sandbox.runtime.relay import HttpResponse
 
 STATELESS = "this gateway is stateless and stores no responses: send the whole conversation as input"
 
 
-def messages_of(fields: Fields, offered: ResponsesTools) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
-    instructions = fields.string("instructions")
-    if instructions:
-        messages.append({"role": "system", "content": instructions})
-    value = fields.get("input")
+def messages_of(request: ResponsesRequest, offered: ResponsesTools) -> list[ChatMessage]:
+    messages: list[ChatMessage] = []
+    if request.instructions:
+        messages.append({"role": "system", "content": request.instructions})
+    value = request.input
     if value is None:
         raise bad_request("input: this field is required", "input")
     if isinstance(value, str):
@@ -68,23 +80,24 @@ def messages_of(fields: Fields, offered: ResponsesTools) -> list[dict[str, Any]]
         return messages
     if not isinstance(value, list):
         raise bad_request("input must be a string or an array of items", "input")
-    assistant: dict[str, Any] | None = None  # the open assistant message: function calls join it
+    assistant: ChatMessage | None = None  # the open assistant message: function calls join it
     for index, raw in enumerate(value):
         path = f"input[{index}]"
-        item = Fields.of(raw, path)
-        kind = item.string("type") or ("message" if item.has("role") else None)
+        item = validate(Item, raw, path)
+        kind = item.type or ("message" if item.role is not None else None)
         if kind in ("function_call", "custom_tool_call"):
             if assistant is None:
                 assistant = {"role": "assistant", "content": ""}
                 messages.append(assistant)
-            assistant.setdefault("tool_calls", []).append(_call(item, kind, path, offered))
+            assistant.setdefault("tool_calls", []).append(_call(raw, kind, path, offered))
             continue
         if kind == "reasoning":
             continue
         assistant = None
         if kind == "message":
-            role = item.required_string("role")
-            content = text_of(item.get("content"), item.name("content"))
+            message = validate(MessageItem, raw, path)
+            role = message.role
+            content = text_of(message.content, f"{path}.content")
             if role in ("system", "developer"):
                 messages.append({"role": "system", "content": content})
             elif role == "user":
@@ -93,15 +106,11 @@ def messages_of(fields: Fields, offered: ResponsesTools) -> list[dict[str, Any]]
                 assistant = {"role": "assistant", "content": content}
                 messages.append(assistant)
             else:
-                raise bad_request(f"{path}.role: unknown role {role!r}", item.name("role"))
+                raise bad_request(f"{path}.role: unknown role {role!r}", f"{path}.role")
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            output = item.get("output")
+            output = validate(OutputItem, raw, path)
             messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": item.required_string("call_id"),
-                    "content": text_of(output, item.name("output")),
-                }
+                {"role": "tool", "tool_call_id": output.call_id, "content": text_of(output.output, f"{path}.output")}
             )
         elif kind == "item_reference":
             raise bad_request(f"{path} is an item_reference: {STATELESS}", path)
@@ -115,38 +124,37 @@ def messages_of(fields: Fields, offered: ResponsesTools) -> list[dict[str, Any]]
     return messages
 
 
-def _call(item: Fields, kind: str, path: str, offered: ResponsesTools) -> dict[str, Any]:
+def _call(raw: Any, kind: str, path: str, offered: ResponsesTools) -> ToolCall:
     """A function_call / custom_tool_call item as the chat's tool call, under the model's name."""
-    name = offered.model_name(item.required_string("name"), item.string("namespace"))
     if kind == "custom_tool_call":
-        arguments = json.dumps({CUSTOM_INPUT: item.string("input") or ""}, ensure_ascii=False)
+        custom = validate(CustomCallItem, raw, path)
+        name, namespace, call_id = custom.name, custom.namespace, custom.call_id
+        arguments = json.dumps({CUSTOM_INPUT: custom.input or ""}, ensure_ascii=False)
     else:
-        raw = item.get("arguments")
-        arguments = "{}" if raw is None else raw
-        if not isinstance(arguments, str):
-            raise bad_request(f"{path}.arguments must be a string", f"{path}.arguments")
+        call = validate(FunctionCallItem, raw, path)
+        name, namespace, call_id, arguments = call.name, call.namespace, call.call_id, call.arguments
     return {
-        "id": item.required_string("call_id"),
+        "id": call_id,
         "type": "function",
-        "function": {"name": name, "arguments": arguments},
+        "function": {"name": offered.model_name(name, namespace), "arguments": arguments},
     }
 
 
-def tools_of(fields: Fields, offered: ResponsesTools) -> tuple[list[dict[str, Any]], bool]:
+def tools_of(request: ResponsesRequest, offered: ResponsesTools) -> tuple[list[dict[str, Any]], bool]:
     """The tools to send and whether to read calls, after `tool_choice`."""
     tools = offered.tools
-    choice = fields.get("tool_choice")
+    choice = request.tool_choice
     plain = plain_tool_choice(choice, tools)
     if plain is not None:
         return plain
     if isinstance(choice, dict):
-        chosen = Fields(choice, "tool_choice")
-        kind = chosen.string("type")
+        chosen = validate(NamedChoice, choice, "tool_choice")
+        kind = chosen.type
         if kind in ("function", "custom"):
-            name = chosen.required_string("name")
+            name = validate(ChosenTool, choice, "tool_choice").name
             return only_tool(tools, offered.find(name) or name, "tool_choice"), True
         if kind == "allowed_tools":
-            listed = chosen.array("tools", required=True) or []
+            listed = validate(AllowedTools, choice, "tool_choice").tools
             names = {offered.find(str(item.get("name"))) for item in listed if isinstance(item, dict)}
             narrowed = [tool for tool in tools if tool["function"]["name"] in names]
             return narrowed, bool(narrowed)
@@ -183,7 +191,7 @@ def _usage(reply: Reply) -> dict[str, Any]:
 
 
 def response_object(
-    reply: Reply | None, *, request: Fields, offered: ResponsesTools, model: str, response_id: str
+    reply: Reply | None, *, request: Mapping[str, Any], offered: ResponsesTools, model: str, response_id: str
 ) -> dict[str, Any]:
     """The response; `reply` None: as it is before the reply (in progress, no output)."""
     output = output_items(reply, offered) if reply is not None else []
@@ -215,7 +223,7 @@ def response_object(
     }
 
 
-def response_events(reply: Reply, *, request: Fields, offered: ResponsesTools, model: str) -> list[bytes]:
+def response_events(reply: Reply, *, request: Mapping[str, Any], offered: ResponsesTools, model: str) -> list[bytes]:
     """The reply as the Responses API's stream of events."""
     response_id = new_id("resp_")
     events: list[bytes] = []
@@ -259,30 +267,29 @@ def response_events(reply: Reply, *, request: Fields, offered: ResponsesTools, m
 
 
 async def handle_responses(turns: ChatTurns, body: dict[str, Any]) -> HttpResponse:
-    fields = Fields(body)
-    for stateful in ("previous_response_id", "conversation"):
-        if fields.has(stateful):
+    for stateful in ("previous_response_id", "conversation"):  # before the rest: what to fix first
+        if body.get(stateful) is not None:
             raise bad_request(f"{stateful}: {STATELESS}", stateful)
-    if fields.boolean("background"):
+    request = validate(ResponsesRequest, body)
+    if request.background:
         raise bad_request(f"background: {STATELESS}", "background")
-    if fields.has("prompt"):
+    if request.prompt is not None:
         raise bad_request("prompt: stored prompt templates are not supported", "prompt")
-    offered = ResponsesTools.read(fields)
-    messages = messages_of(fields, offered)
-    tools, parse_calls = tools_of(fields, offered)
+    offered = ResponsesTools.read(request.tools)
+    messages = messages_of(request, offered)
+    tools, parse_calls = tools_of(request, offered)
     turns.left_out(offered.left_out)
     sampling = sampling_for(
         turns.default_sampling,
-        max_tokens=fields.integer("max_output_tokens", minimum=1),
-        temperature=fields.number("temperature", minimum=0.0, maximum=2.0),
-        top_p=fields.number("top_p", minimum=0.0, maximum=1.0),
+        max_tokens=request.max_output_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
         stop=None,
-        template_kwargs=fields.template_kwargs(),
+        template_kwargs=request.chat_template_kwargs,
     )
-    stream = fields.boolean("stream")
-    model = fields.string("model") or turns.model
+    model = request.model or turns.model
     reply = await turns.run(messages, tools, sampling, parse_calls=parse_calls)
-    if stream:
-        return sse_response(response_events(reply, request=fields, offered=offered, model=model))
-    answer = response_object(reply, request=fields, offered=offered, model=model, response_id=new_id("resp_"))
+    if request.stream:
+        return sse_response(response_events(reply, request=body, offered=offered, model=model))
+    answer = response_object(reply, request=body, offered=offered, model=model, response_id=new_id("resp_"))
     return json_response(200, answer)

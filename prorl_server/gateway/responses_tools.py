@@ -23,10 +23,13 @@ functions on every call, `web_search`, a freeform `apply_patch` on some models):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prorl_server.gateway.common import Fields, ReplyCall, bad_request, function_tool, new_id
+from prorl_server.gateway.bodies import validate
+from prorl_server.gateway.bodies.openai_responses import CustomTool, FunctionTool, NamespaceTool, ToolEntry
+from prorl_server.gateway.common import ReplyCall, bad_request, function_tool, new_id
 
 CUSTOM_INPUT = "input"
 """The one argument of a custom (freeform) tool as the model sees it."""
@@ -49,11 +52,11 @@ class Offered:
     namespace: str | None
 
 
-def _custom_tool(name: str, tool: Fields, path: str) -> dict[str, Any]:
-    description = tool.string("description") or ""
-    grammar = tool.obj("format")
-    if grammar is not None and grammar.string("type") == "grammar":
-        syntax, definition = grammar.string("syntax") or "", grammar.string("definition") or ""
+def _custom_tool(name: str, tool: CustomTool, path: str) -> dict[str, Any]:
+    description = tool.description or ""
+    grammar = tool.format
+    if grammar is not None and grammar.type == "grammar":
+        syntax, definition = grammar.syntax or "", grammar.definition or ""
         description = f"{description}\n\nThe input follows this {syntax} grammar:\n{definition}".strip()
     parameters = {
         "type": "object",
@@ -75,41 +78,44 @@ class ResponsesTools:
     """The types of the tools left out (one entry per tool)."""
 
     @classmethod
-    def read(cls, fields: Fields) -> ResponsesTools:
+    def read(cls, entries: Sequence[ToolEntry] | None) -> ResponsesTools:
+        """The request's `tools` (each entry's own fields read after its type)."""
         found = cls()
-        for index, value in enumerate(fields.array("tools") or []):
+        for index, entry in enumerate(entries or []):
             path = f"tools[{index}]"
-            tool = Fields.of(value, path)
-            kind = tool.string("type")
-            if kind == "function":
-                found._add(Offered("function", tool.required_string("name"), None), tool, path)
-            elif kind == "custom":
-                found._add(Offered("custom", tool.required_string("name"), None), tool, path)
-            elif kind == "namespace":
-                namespace = tool.required_string("name")
-                for inner_index, inner_value in enumerate(tool.array("tools", required=True) or []):
-                    inner_path = f"{path}.tools[{inner_index}]"
-                    inner = Fields.of(inner_value, inner_path)
-                    inner_kind = inner.string("type")
-                    if inner_kind not in ("function", "custom"):
-                        found.left_out.append(f"{namespace}.{inner_kind}")
+            if entry.type in ("function", "custom"):
+                found._add(entry, None, path)
+            elif entry.type == "namespace":
+                namespace = validate(NamespaceTool, entry.model_extra, path)
+                for inner_index, inner in enumerate(namespace.tools):
+                    if inner.type not in ("function", "custom"):
+                        found.left_out.append(f"{namespace.name}.{inner.type}")
                         continue
-                    found._add(Offered(inner_kind, inner.required_string("name"), namespace), inner, inner_path)
+                    found._add(inner, namespace.name, f"{path}.tools[{inner_index}]")
             else:
-                found.left_out.append(str(kind))
+                found.left_out.append(str(entry.type))
         return found
 
-    def _add(self, offered: Offered, tool: Fields, path: str) -> None:
+    def _add(self, entry: ToolEntry, namespace: str | None, path: str) -> None:
+        if entry.type == "custom":
+            custom = validate(CustomTool, entry.model_extra, path)
+            self._offer(Offered("custom", custom.name, namespace), path, lambda name: _custom_tool(name, custom, path))
+        else:
+            function = validate(FunctionTool, entry.model_extra, path)
+            self._offer(
+                Offered("function", function.name, namespace),
+                path,
+                lambda name: function_tool(name, function.description, function.parameters, path),
+            )
+
+    def _offer(self, offered: Offered, path: str, schema: Callable[[str], dict[str, Any]]) -> None:
         name = flat_name(offered.namespace, offered.name)
         if name in self.offered:
             raise bad_request(
                 f"{path}: two tools would both be offered to the model as {name!r}: give them distinct names", path
             )
         self.offered[name] = offered
-        if offered.kind == "custom":
-            self.tools.append(_custom_tool(name, tool, path))
-        else:
-            self.tools.append(function_tool(name, tool.string("description"), tool.get("parameters"), path))
+        self.tools.append(schema(name))
 
     def model_name(self, name: str, namespace: str | None) -> str:
         """The model's name for a call the program sends back (`name` in `namespace`)."""

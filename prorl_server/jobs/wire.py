@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from google.protobuf.duration_pb2 import Duration
@@ -21,7 +21,7 @@ from prorl_server.agents.events import AgentEvent, ModelTurnEvent, ToolCallEvent
 from prorl_server.agents.recorder import TrajectoryRecorder
 from prorl_server.gateway.chains import TokenChain
 from prorl_server.jobs.record import JobView
-from prorl_server.llm.base import RoutedExperts
+from prorl_server.llm.base import ChatMessage, RoutedExperts
 
 LOGPROBS_MODES = {"processed": v1.LOGPROBS_MODE_PROCESSED, "raw": v1.LOGPROBS_MODE_RAW}
 PHASE_NAMES = {v1.PHASE_INIT: "init", v1.PHASE_RUN: "run", v1.PHASE_EVAL: "eval"}
@@ -122,7 +122,7 @@ def turn_span(span: TurnSpan) -> v1.TurnSpan:
     )
 
 
-def message(message: dict[str, Any]) -> v1.Message:
+def message(message: Mapping[str, Any]) -> v1.Message:
     calls = [
         v1.ToolCallSpec(
             id=str(call.get("id", "")),
@@ -144,7 +144,7 @@ def trajectory(
     recorder: TrajectoryRecorder,
     tokens: tuple[list[int], list[int], list[float]] = ([], [], []),
     chains: Sequence[TokenChain] = (),
-    program_messages: Sequence[dict[str, Any]] = (),
+    program_messages: Sequence[ChatMessage] = (),
 ) -> v1.Trajectory:
     """The trajectory; `tokens` is (token_ids, loss_mask, logprobs) when the backend gave ids.
     An agent program's calls come as `chains`; the top-level token fields then hold the last, and

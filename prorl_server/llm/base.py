@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import Any, NotRequired, TypedDict, get_args
 
 from prorl_server.errors import InvalidArgument
 from prorl_server.llm.backend_settings import ToolCallParser
@@ -14,6 +14,33 @@ from prorl_server.llm.chat_template import ChatTokenizer
 TOOL_CALL_PARSERS: tuple[ToolCallParser, ...] = get_args(ToolCallParser)
 """Tool-call formats a model may write in its text (vLLM's --tool-call-parser names); the
 parsers themselves are in llm/tool_calls.py."""
+
+
+class FunctionCall(TypedDict):
+    name: str
+    arguments: str
+    """The arguments as JSON text."""
+
+
+class ToolCall(TypedDict):
+    """An assistant message's tool call (OpenAI chat form)."""
+
+    id: str
+    type: str
+    """Always "function"."""
+    function: FunctionCall
+
+
+class ChatMessage(TypedDict):
+    """One message of a conversation as the job's chat takes it (OpenAI chat form): roles system,
+    user, assistant (with `tool_calls`) and tool (with `tool_call_id` and, once its call is known,
+    `name`). Backends and templates may read more keys a message carries (`reasoning_content`)."""
+
+    role: str
+    content: NotRequired[str | None]
+    tool_calls: NotRequired[list[ToolCall]]
+    tool_call_id: NotRequired[str]
+    name: NotRequired[str]
 
 
 @dataclass(frozen=True)
@@ -98,7 +125,7 @@ class ChatResult:
     (gateway/sampling.py)."""
 
 
-ChatFn = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]], Sampling], Awaitable[ChatResult]]
+ChatFn = Callable[[Sequence[ChatMessage], Sequence[dict[str, Any]], Sampling], Awaitable[ChatResult]]
 """One model turn: (messages, tool schemas, sampling) -> the reply (the job's LLM session)."""
 
 
@@ -179,7 +206,7 @@ class ChatBackend(LLMBackend):
     @abc.abstractmethod
     async def chat(
         self,
-        messages: Sequence[dict[str, Any]],
+        messages: Sequence[ChatMessage],
         tools: Sequence[dict[str, Any]],
         sampling: Sampling,
         *,

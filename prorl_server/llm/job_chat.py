@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from prorl_server.llm.base import ChatBackend, ChatResult, LLMBackend, Sampling, TokenBackend
+from prorl_server.llm.base import ChatBackend, ChatMessage, ChatResult, LLMBackend, Sampling, TokenBackend
 from prorl_server.llm.token_conversation import ConversationMark, TokenConversation
 
 
@@ -33,7 +33,7 @@ class JobChat:
     async def chat(
         self,
         backend: LLMBackend,
-        messages: Sequence[dict[str, Any]],
+        messages: Sequence[ChatMessage],
         tools: Sequence[dict[str, Any]],
         sampling: Sampling,
     ) -> ChatResult:
@@ -55,7 +55,7 @@ class JobChat:
     async def _token_turn(
         self,
         backend: TokenBackend,
-        messages: Sequence[dict[str, Any]],
+        messages: Sequence[ChatMessage],
         tools: Sequence[dict[str, Any]],
         sampling: Sampling,
     ) -> ChatResult:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prorl_server.errors import LLMError
-from prorl_server.llm.base import ApiToolCall, BackendInfo, ChatBackend, ChatResult, Sampling
+from prorl_server.llm.base import ApiToolCall, BackendInfo, ChatBackend, ChatMessage, ChatResult, Sampling
 from prorl_server.llm.http_client import HTTPClient
 
 
@@ -35,7 +35,7 @@ class OpenAIChatBackend(ChatBackend):
 
     def _payload(
         self,
-        messages: Sequence[dict[str, Any]],
+        messages: Sequence[ChatMessage],
         tools: Sequence[dict[str, Any]],
         sampling: Sampling,
         native_tools: bool = False,
@@ -56,7 +56,7 @@ class OpenAIChatBackend(ChatBackend):
 
     async def chat(
         self,
-        messages: Sequence[dict[str, Any]],
+        messages: Sequence[ChatMessage],
         tools: Sequence[dict[str, Any]],
         sampling: Sampling,
         *,

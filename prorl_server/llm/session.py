@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prorl_server.errors import LLMError
-from prorl_server.llm.base import ChatResult, Sampling
+from prorl_server.llm.base import ChatMessage, ChatResult, Sampling
 from prorl_server.llm.job_chat import JobChat
 from prorl_server.llm.router import BackendRouter
 
@@ -35,7 +35,7 @@ class LLMSession:
         self._last_backend = ""
 
     async def chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], sampling: Sampling
+        self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]], sampling: Sampling
     ) -> ChatResult:
         """One model turn.
 

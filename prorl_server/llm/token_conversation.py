@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prorl_server.errors import LLMError
+from prorl_server.llm.base import ChatMessage
 from prorl_server.llm.chat_template import ChatTokenizer
 
 
@@ -103,7 +104,7 @@ class TokenConversation:
         self._tokenizer = tokenizer
         self._tools = list(tools) if tools else None
         self._kwargs = dict(template_kwargs or {})
-        self._messages: list[dict[str, Any]] = []
+        self._messages: list[ChatMessage] = []
         self.token_ids: list[int] = []
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
@@ -115,7 +116,7 @@ class TokenConversation:
         self._ends = _end_markers(tokenizer)
         self._end_ids = {ids[0] for ids in map(tokenizer.encode, self._ends) if len(ids) == 1}
 
-    def prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
         """The ids to send for `messages` (the whole conversation so far)."""
         known = len(self._messages)
         if [_key(m) for m in messages[:known]] != [_key(m) for m in self._messages] or len(messages) < known:
@@ -131,11 +132,11 @@ class TokenConversation:
         else:
             ids = self._continuation(messages[known - 1], messages[known:])
         self._append(ids, sampled=False)
-        self._messages = [dict(m) for m in messages]
+        self._messages = [m.copy() for m in messages]
         self._awaiting_reply = True
         return list(self.token_ids)
 
-    def record(self, assistant: dict[str, Any], sampled_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+    def record(self, assistant: ChatMessage, sampled_ids: Sequence[int], logprobs: Sequence[float]) -> None:
         """Add the model's reply: its sampled ids (mask 1) and log-probs, exactly as sampled."""
         start = len(self.token_ids)
         self._append(list(sampled_ids), sampled=True, logprobs=logprobs)
@@ -155,7 +156,7 @@ class TokenConversation:
         loss mask is 0 on that prefix unless `train_prefix` (the branch's own turns get 1)."""
         other = TokenConversation.__new__(TokenConversation)
         other.__dict__.update(self.__dict__)
-        other._messages = [dict(m) for m in self._messages[: mark.messages]]
+        other._messages = [m.copy() for m in self._messages[: mark.messages]]
         other.token_ids = self.token_ids[: mark.tokens]
         other.loss_mask = self.loss_mask[: mark.tokens] if train_prefix else [0] * mark.tokens
         other.logprobs = self.logprobs[: mark.tokens]
@@ -170,7 +171,7 @@ class TokenConversation:
             messages, add_generation_prompt=add_generation_prompt, tools=self._tools, template_kwargs=self._kwargs
         )
 
-    def _first_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def _first_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
         text = self._render(messages)
         ids = self._tokenizer.encode(text)
         bos_text = self._tokenizer.bos_text
@@ -178,7 +179,7 @@ class TokenConversation:
             ids = self._tokenizer.bos_ids + ids
         return ids
 
-    def _continuation(self, assistant: Mapping[str, Any], new: Sequence[dict[str, Any]]) -> list[int]:
+    def _continuation(self, assistant: ChatMessage, new: Sequence[ChatMessage]) -> list[int]:
         """Ids that close the last reply, then the new messages, then the generation prompt."""
         problems: list[str] = []
         sentinel = new_sentinel()
@@ -231,7 +232,7 @@ class TokenConversation:
             return ids[1:]
         return ids
 
-    def _layout(self, base: list[dict[str, Any]], new: Sequence[dict[str, Any]], text: str, after: int) -> _Layout:
+    def _layout(self, base: list[dict[str, Any]], new: Sequence[ChatMessage], text: str, after: int) -> _Layout:
         """Where, in `text` (base + new rendered), the reply's turn ends, and what is not a message.
 
         The reply's turn ends where a rendering of the base alone (no generation prompt) stops
@@ -263,7 +264,7 @@ class TokenConversation:
         end = low + hit[0] + len(hit[1]) if hit else low
         return _Layout(end, alone[end:], generation, exact=True)
 
-    def _bound(self, text: str, after: int, new: Sequence[dict[str, Any]]) -> int:
+    def _bound(self, text: str, after: int, new: Sequence[ChatMessage]) -> int:
         """The reply ends before the first new message's own text (or at its first end token)."""
         bound = len(text)
         for message in new:

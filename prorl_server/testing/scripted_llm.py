@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from prorl_server.errors import ContextLengthExceeded, InvalidArgument, LLMError
-from prorl_server.llm.base import ApiToolCall, BackendInfo, ChatBackend, ChatResult, Sampling
+from prorl_server.llm.base import ApiToolCall, BackendInfo, ChatBackend, ChatMessage, ChatResult, Sampling
 from prorl_server.llm.http_client import about_context_length
 
 
@@ -47,7 +47,7 @@ class ScriptedReply:
     ends the wait."""
 
 
-Script = Callable[[list[dict[str, Any]]], ScriptedReply]
+Script = Callable[[list[ChatMessage]], ScriptedReply]
 Replies = Sequence[ScriptedReply | str]
 
 
@@ -61,12 +61,12 @@ def api_tool_call(name: str, arguments: dict[str, Any], call_id: str = "call_0")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
-def turn_index(messages: list[dict[str, Any]]) -> int:
+def turn_index(messages: Sequence[ChatMessage]) -> int:
     """How many assistant turns the conversation already has."""
     return sum(1 for message in messages if message.get("role") == "assistant")
 
 
-def user_prompt(messages: list[dict[str, Any]]) -> str:
+def user_prompt(messages: Sequence[ChatMessage]) -> str:
     return next((str(m.get("content", "")) for m in messages if m.get("role") == "user"), "")
 
 
@@ -78,7 +78,7 @@ def script_of(script: Script | Replies) -> Script:
         raise TypeError("a script is a function or a list of replies, not one reply: use [reply]")
     replies = [reply if isinstance(reply, ScriptedReply) else ScriptedReply(reply) for reply in script]
 
-    def by_turn(messages: list[dict[str, Any]]) -> ScriptedReply:
+    def by_turn(messages: list[ChatMessage]) -> ScriptedReply:
         turn = turn_index(messages)
         if turn < len(replies):
             return replies[turn]
@@ -87,7 +87,7 @@ def script_of(script: Script | Replies) -> Script:
     return by_turn
 
 
-def _usage(messages: Sequence[dict[str, Any]], reply: ScriptedReply) -> tuple[int, int]:
+def _usage(messages: Sequence[ChatMessage], reply: ScriptedReply) -> tuple[int, int]:
     """(prompt_tokens, completion_tokens): about four characters a token."""
     return sum(len(str(m.get("content", ""))) // 4 for m in messages), max(1, len(reply.content) // 4)
 
@@ -166,7 +166,7 @@ class ScriptedLLMServer:
 class ChatRequest:
     """One request a ScriptedChatBackend received (copies: later changes by the caller do not show)."""
 
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage]
     tools: list[dict[str, Any]]
     sampling: Sampling
 
@@ -206,7 +206,7 @@ class ScriptedChatBackend(ChatBackend):
 
     async def chat(
         self,
-        messages: Sequence[dict[str, Any]],
+        messages: Sequence[ChatMessage],
         tools: Sequence[dict[str, Any]],
         sampling: Sampling,
         *,

@@ -31,6 +31,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Literal
 
+from prorl_server.llm.base import ChatMessage
+
 MAX_SCORE = 10
 NONCE_BYTES = 16
 CRITERION_NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
@@ -79,7 +81,7 @@ class Rubric:
 
 @dataclass(frozen=True)
 class JudgePrompt:
-    messages: list[dict[str, str]]
+    messages: list[ChatMessage]
     nonce: str
 
 
