@@ -16,20 +16,18 @@ path, Submit to reward, is tests/integration/test_swe.py's)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from prorl_server.agents.swe import SWEInstance
 from prorl_server.datasets.swe import TASKS_DIR, load_task, task_dirs
 from prorl_server.sandbox.podman import PodmanProvider
 from prorl_server.verifiers.swe import SWEVerdict, judge
 from tests.adversarial.test_swe_verdicts import JUMP_OVER_ASSERTS
-from tests.conftest import instance_id, podman_options, server_containers, small_spec
+from tests.conftest import small_spec
 from tests.unit.test_swebench_semantics import Official, official, spec_of
 
 pytestmark = pytest.mark.podman
@@ -108,36 +106,6 @@ async def run_judge(
         )
     finally:
         await sandbox.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def long_runs(podman_url: str) -> AsyncIterator[dict[str, SWEVerdict]]:
-    """The module's judged runs over a whole SymPy or Django test file, by name: minutes each
-    on one core, so they are judged at once, when the first test that needs one runs, and
-    take about as long as the longest instead of their sum. Each test asserts on its own."""
-    instance = instance_id("sandbox")
-    provider = PodmanProvider(url_factory=lambda: podman_url, options=podman_options(instance))
-    await provider.start()
-    try:
-        runs = {
-            "django-trace": run_judge(
-                provider, DJANGO, lambda: appended("django/utils/http.py", CONSTANT_ONLY + "\n" + JUMP_OVER_ASSERTS),
-                "django/utils/http.py",
-            ),
-            "sympy-gold": run_judge(provider, SYMPY, SYMPY["patch"]),
-            "sympy-edited-bin-test": run_judge(
-                provider, SYMPY, lambda: appended("bin/test", FAKE_BIN_TEST)
-                + appended("sympy/__init__.py", FORGE_SYMPY), "bin/test", "sympy/__init__.py",
-            ),
-            "sympy-monkeypatched-reporter": run_judge(
-                provider, SYMPY, lambda: appended("sympy/__init__.py", MONKEYPATCH_REPORTER), "sympy/__init__.py"
-            ),
-        }  # fmt: skip
-        verdicts = await asyncio.gather(*runs.values())
-        yield dict(zip(runs, verdicts, strict=True))
-    finally:
-        await provider.close()
-    assert not server_containers(podman_url, instance)
 
 
 def swebench_report(official: Official, instance: dict[str, Any], log: str, tmp: Path) -> tuple[dict[str, Any], bool]:
@@ -255,8 +223,9 @@ async def test_django_monkeypatched_unittest_is_tampering(provider: PodmanProvid
     assert any("tampered with" in anomaly and "." in anomaly for anomaly in verdict.anomalies)
 
 
-async def test_django_trace_function_that_jumps_over_asserts_is_tampering(long_runs: dict[str, SWEVerdict]) -> None:
-    verdict = long_runs["django-trace"]
+async def test_django_trace_function_that_jumps_over_asserts_is_tampering(provider: PodmanProvider) -> None:
+    patch = lambda: appended("django/utils/http.py", CONSTANT_ONLY + "\n" + JUMP_OVER_ASSERTS)  # noqa: E731
+    verdict = await run_judge(provider, DJANGO, patch, "django/utils/http.py")
     assert verdict.verdict == "tampered" and not verdict.resolved, verdict
     assert any("trace function set by the code under test" in anomaly for anomaly in verdict.anomalies)
 
@@ -306,28 +275,33 @@ raise SystemExit(0)
 
 
 async def test_sympy_gold_resolves_graded_as_swebench(
-    long_runs: dict[str, SWEVerdict], swebench: Official | None, tmp_path: Path
+    provider: PodmanProvider, swebench: Official | None, tmp_path: Path
 ) -> None:
-    gold = long_runs["sympy-gold"]
+    gold = await run_judge(provider, SYMPY, SYMPY["patch"])
     assert gold.verdict == "resolved", gold
     assert gold.fail_to_pass == {"test_creation": "PASSED"}
     assert_graded_as_swebench(swebench, SYMPY, gold, tmp_path)
 
 
 async def test_sympy_edited_bin_test_is_restored_and_forged_lines_are_tampering(
-    long_runs: dict[str, SWEVerdict],
+    provider: PodmanProvider, swebench: Official | None, tmp_path: Path
 ) -> None:
     """No fix; bin/test edited to print a pass and exit 0 (restored), and the package
     rewriting its stdout so that the log says `test_creation ok` (the reporter says F)."""
-    verdict = long_runs["sympy-edited-bin-test"]
+
+    def patch() -> str:
+        return appended("bin/test", FAKE_BIN_TEST) + appended("sympy/__init__.py", FORGE_SYMPY)
+
+    verdict = await run_judge(provider, SYMPY, patch, "bin/test", "sympy/__init__.py")
     assert verdict.reverted["restored"] == ["bin/test"]
     assert verdict.verdict == "tampered" and not verdict.resolved, verdict
     assert any("test_creation" in anomaly for anomaly in verdict.anomalies)
     assert verdict.fail_to_pass == {"test_creation": "FAILED"}
 
 
-async def test_sympy_monkeypatched_reporter_is_tampering(long_runs: dict[str, SWEVerdict]) -> None:
-    verdict = long_runs["sympy-monkeypatched-reporter"]
+async def test_sympy_monkeypatched_reporter_is_tampering(provider: PodmanProvider) -> None:
+    patch = lambda: appended("sympy/__init__.py", MONKEYPATCH_REPORTER)  # noqa: E731
+    verdict = await run_judge(provider, SYMPY, patch, "sympy/__init__.py")
     assert verdict.verdict == "tampered" and not verdict.resolved, verdict
     assert any("tampered with" in anomaly and "." in anomaly for anomaly in verdict.anomalies)
 
