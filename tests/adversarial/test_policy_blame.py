@@ -66,7 +66,10 @@ time.sleep(2)
 # $PPID of the agent's shell is the runtime that serves it.
 WAYS = {
     "runtime_killed": (bash("kill -9 $PPID"),),
-    "runtime_stopped": (bash("kill -STOP $PPID"),),
+    # Stopped for good: a stop that something else continues (seen under load: the runtime
+    # answered and the job succeeded) is a pause the job may survive, not what is tested here.
+    # ($PPID in the background subshell is still the runtime.)
+    "runtime_stopped": (bash("(while kill -STOP $PPID; do sleep 0.1; done) & kill -STOP $PPID"),),
     # The runtime cannot start the shell the next command needs.
     "pids_limit": (python(FORK_BOMB), bash("echo hi")),
     # tmpfs pages count against the sandbox's memory and cannot be reclaimed: with /tmp
