@@ -153,8 +153,8 @@ done
 # (tarballs cached in PRORL_NPM_CACHE) into the build context; the build has
 # no network. Then one image per SWE task with the CLIs: the task's own build
 # context FROM localhost/prorl-harnesses, as localhost/prorl-harnesses-swe-<id>;
-# PRORL_HARNESS_TASKS (task ids, space-separated) builds only those (CI builds the
-# one the harness suite uses).
+# PRORL_HARNESS_TASKS (task ids, space-separated) builds only those (the harness
+# suite uses one: more-itertools__more-itertools-10.8.0).
 if [[ "${PRORL_HARNESSES:-0}" == 1 ]]; then
     NPM_CACHE="${PRORL_NPM_CACHE:-/var/cache/prorl-npm}"
     dir="$ROOT/sandbox_images/harnesses/"
