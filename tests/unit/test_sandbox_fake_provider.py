@@ -110,23 +110,35 @@ async def test_a_runtime_killed_from_outside_is_an_infrastructure_error(fake_pro
     assert fake_provider.busy == 0
 
 
-async def test_a_failed_or_cancelled_start_leaves_nothing(fake_provider: FakeSandboxProvider) -> None:
+async def test_a_failed_or_cancelled_start_leaves_nothing(
+    fake_provider: FakeSandboxProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
     broken = FakeSandboxProvider(python="/bin/false")
     await broken.start()
     with pytest.raises(SandboxError) as error:
         await broken.create(spec())
     assert error.value.reason == "sandbox_start" and broken.busy == 0
 
+    # Cancelled once its runtime process runs and before the provider connects to it (on a
+    # busy machine a creation left to race a poll loop may finish first).
+    runtime_started = asyncio.Event()
+    start = FakeContainer.start
+
+    async def start_and_stay(self: FakeContainer, python: str, timeout_s: float) -> None:
+        await start(self, python, timeout_s)
+        runtime_started.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(FakeContainer, "start", start_and_stay)
     creation = asyncio.ensure_future(fake_provider.create(spec()))
-    while not fake_provider.containers:  # noqa: ASYNC110 - waiting for the creation to be under way
-        await asyncio.sleep(0.001)
-    container = fake_provider.containers[0]
+    await runtime_started.wait()
+    (container,) = fake_provider.containers
+    assert container.process is not None and container.process.returncode is None
     creation.cancel()
     with pytest.raises(asyncio.CancelledError):
         await creation
     assert fake_provider.busy == 0 and not container.folder.exists()
-    if container.process is not None:
-        assert container.process.returncode is not None
+    assert container.process.returncode is not None
 
 
 async def test_warm_pools_count_the_fakes_sandboxes(fake_provider: FakeSandboxProvider) -> None:
