@@ -757,8 +757,44 @@ def details_of(result: v1.RolloutResult) -> dict[str, Any]:
     return MessageToDict(result.details)
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
-@pytest.mark.parametrize("attack", list(ATTACKS))
+# Attacks through the repository's files (pytest's configuration files and plugin discovery):
+# what they meet depends on each repository's own configuration and layout, so each runs
+# on every task.
+THROUGH_THE_REPOSITORY = {
+    "conftest-hook",
+    "pytest-ini-plugin",
+    "setup-cfg-plugin",
+    "pyproject-plugin",
+    "dist-info-entry-point",
+    "sitecustomize-and-pth",
+    "upper-case-metadata-folders",
+    "delete-the-tests",
+}
+
+
+def attack_cases() -> list[tuple[str, str]]:
+    """(attack, task) pairs: the attacks through the repository on every task; the attacks
+    from the code under test on one task each, the tasks taken in turn (they meet the same
+    judge inside the same test process whatever the package: each task still meets a
+    quarter of them). A full matrix is 150 judged runs, more CPU than CI's hour can give."""
+    names = sorted(TASKS)
+    cases: list[tuple[str, str]] = []
+    from_the_code = 0
+    for attack in ATTACKS:
+        if attack in THROUGH_THE_REPOSITORY:
+            cases += [(attack, name) for name in names]
+        else:
+            cases.append((attack, names[from_the_code % len(names)]))
+            from_the_code += 1
+    return cases
+
+
+def test_every_task_meets_attacks_from_its_code() -> None:
+    met = {name for attack, name in attack_cases() if attack not in THROUGH_THE_REPOSITORY}
+    assert met == set(TASKS) and set(ATTACKS) == {attack for attack, _ in attack_cases()}
+
+
+@pytest.mark.parametrize(("attack", "name"), attack_cases())
 def test_attack_scores_zero(attack: str, name: str, results: dict[str, v1.RolloutResult]) -> None:
     _, verdict, reverted = ATTACKS[attack]
     result = results[f"{attack}.{name}"]
@@ -814,7 +850,7 @@ def test_what_stands_in_the_test_patchs_way_is_removed(attack: str, results: dic
     reason="known gap, docs/reliability.md 'Residual risk': code under test shares the test process "
     "with the reporter, so it can take the run key and the report pipe and write a passing stream",
 )
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", sorted(TASKS)[:1])  # the key is the judge's, the same in every task
 def test_a_stolen_run_key_still_forges_a_pass(name: str, results: dict[str, v1.RolloutResult]) -> None:
     """What a reward-hacking policy that read the judge's source would write. Expected to
     score 0 once a judge can refuse it; today it resolves (so this test is an xfail that

@@ -1,5 +1,7 @@
 """All 164 HumanEval canonical solutions, submitted through the service's evaluation
-path (a scripted fake LLM finishes with them), score 1; mutated ones score 0."""
+path (a scripted fake LLM finishes with them), score 1; mutated ones score 0. On reused
+sandboxes (sandbox.reuse): a reset sandbox judges the next job as a new one would, and the
+suite is spared most of 170 container starts."""
 
 from __future__ import annotations
 
@@ -49,7 +51,9 @@ async def test_canonical_solutions_score_1_and_mutants_0(scripted_llm, start_ser
         raise AssertionError("unknown problem")
 
     llm = await scripted_llm(script)
-    _, client = await start_server(llm.base_url, phases={"init": 8, "run": 32, "eval": 8})
+    server, client = await start_server(
+        llm.base_url, phases={"init": 8, "run": 32, "eval": 8}, sandbox={"reuse": {"enabled": True}}
+    )
     rewards: dict[str, float] = {}
     async for item in client.rollout_many(requests):
         assert isinstance(item, v1.RolloutEvent), item
@@ -61,3 +65,5 @@ async def test_canonical_solutions_score_1_and_mutants_0(scripted_llm, start_ser
     failing = sorted(job for job, reward in rewards.items() if job.startswith("he-") and reward != 1.0)
     assert not failing, f"canonical solutions scored 0: {failing}"
     assert all(rewards[f"mutant-{p['task_id'].replace('/', '-')}"] == 0.0 for p in mutants)
+    pools = server._sandboxes
+    assert pools is not None and sum(pool.reused for pool in pools.stats()) > len(requests) / 2

@@ -219,7 +219,7 @@ async def test_a_turn_aborted_by_pause_is_resampled_under_the_new_version(
     _, client = await start_server(
         None, llm={"backends": [vllm_backend(vllm.base_url)], "embedded": {"enabled": "never"}}
     )
-    jobs = [asyncio.create_task(_collect(client, job(100 + i, max_turns=2, max_tokens=200))) for i in range(4)]
+    jobs = [asyncio.create_task(_collect(client, job(100 + i, max_turns=2, max_tokens=120))) for i in range(4)]
     for _ in range(5):  # a turn may end between the probe and the pause: then try again
         await _until(lambda: vllm.metrics(), lambda m: m.get("vllm:num_requests_running", 0) >= 1)
         pause = await client.pause(abort_in_flight=True)
