@@ -26,8 +26,18 @@ done
 lanes=()
 trap 'kill "${lanes[@]}" 2>/dev/null; rm -rf "$base"' EXIT
 
-PRORL_TEST_STATE_DIR="$state-models" "${pytest[@]}" -m "(e2e or vllm) and not harnesses" -q --durations=15 \
-    -p no:cacheprovider --basetemp="$base/models" >"$base/models.log" 2>&1 &
+# The machine's CPU time, busy and idle (jiffies, every core): the suites are mostly CPU-bound,
+# and the share left idle says whether running more side by side could still help.
+cpu() { awk '/^cpu / { print $2 + $3 + $4 + $7 + $8 + $9, $5 + $6 }' /proc/stat; }
+read -r busy_before idle_before < <(cpu)
+
+(
+    PRORL_TEST_STATE_DIR="$state-models" "${pytest[@]}" -m "(e2e or vllm) and not harnesses" -q --durations=15 \
+        -p no:cacheprovider --basetemp="$base/models"
+    status=$?
+    echo "the real-model suites took ${SECONDS} s"
+    exit "$status"
+) >"$base/models.log" 2>&1 &
 models=$!
 lanes+=("$models")
 (
@@ -36,12 +46,16 @@ lanes+=("$models")
     fi
     PRORL_TEST_STATE_DIR="$state-fast" bash scripts/without_podman.sh "${pytest[@]}" -m "$fast_markers" -q \
         --durations=10 -p no:cacheprovider --basetemp="$base/fast"
+    status=$?
+    echo "the linters and the fast suite took ${SECONDS} s"
+    exit "$status"
 ) >"$base/fast.log" 2>&1 &
 fast=$!
 lanes+=("$fast")
 "${pytest[@]}" -m "(podman or slow or postgres) and not e2e and not vllm and not harnesses" -q \
     --durations=25 -p no:cacheprovider --basetemp="$base/containers"
 containers=$?
+echo "the container suites took ${SECONDS} s"
 wait "$fast"
 fast_status=$?
 wait "$models"
@@ -51,5 +65,8 @@ echo "=== the linters and the fast suite without Podman (run beside the ones abo
 cat "$base/fast.log"
 echo "=== the suites on a real model (run beside the ones above) ==="
 cat "$base/models.log"
+read -r busy_after idle_after < <(cpu)
+busy=$((busy_after - busy_before)) idle=$((idle_after - idle_before))
+echo "test suites: ${SECONDS} s; the CPUs were busy $((100 * busy / (busy + idle > 0 ? busy + idle : 1)))% of it"
 echo "test suites: containers exit $containers, fast exit $fast_status, models exit $models_status"
 (( containers == 0 && fast_status == 0 && models_status == 0 ))

@@ -32,7 +32,9 @@ def add_numbers(messages: list[dict[str, Any]]) -> ScriptedReply:
     return ScriptedReply(tool_call_text("finish", {"answer": str(a + b)}))
 
 
-async def run(*command: str, timeout_s: float = 300) -> tuple[int, str]:
+async def run(*command: str, timeout_s: float = 900) -> tuple[int, str]:
+    """The command's exit code and output. The bound is pytest's own: the builds compile (a
+    cold Go cache, the C++ stubs), and on a busy machine that is minutes."""
     process = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )
