@@ -97,8 +97,9 @@ test-e2e:
 	$(PYTEST) -m "e2e or slow" -q
 
 # Everything CI runs: set-up, generated-code check, then side by side (scripts/test_suites.sh):
-# the container suites, the real-model suites, and the linters followed by the fast suite
-# without Podman (the slowest tests listed: how far they are from pytest's timeout).
+# the integration suites on Podman, the real-model suites, and the linters followed by the fast
+# suite without Podman and the adversarial and deploy suites (the slowest tests listed: how far
+# they are from pytest's timeout).
 test-all: setup setup-vllm proto-check
 	PYTEST="$(PYTEST)" FAST_MARKERS="$(FAST_MARKERS)" LINT="$(MAKE) --no-print-directory lint" \
 	  bash scripts/test_suites.sh
