@@ -2,7 +2,7 @@
 
 Every name in `prorl_client.__all__` (the `Client` class with each public method's
 signature and docstring, `connect`, `RpcError`), so the reference says what the code
-does; tests/unit/test_client_reference.py fails when the file is not what this writes.
+does; tests/unit/docs/test_generated_docs.py fails when the file is not what this writes.
 
 Usage: python scripts/gen_client_reference.py [--check]
 """

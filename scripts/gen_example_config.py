@@ -1,7 +1,7 @@
 """Write examples/prorl.toml: every setting of prorl_server/config.py with its default and what it means.
 
 The file is made from the settings models themselves (field, type, bounds, default and the
-docstring under the field), so it cannot drift: tests/unit/test_example_config.py fails when
+docstring under the field), so it cannot drift: tests/unit/docs/test_generated_docs.py fails when
 it differs from what this script writes. Every setting is commented out, so the file as it
 is gives the defaults; uncomment what you change.
 

@@ -7,7 +7,7 @@ conversation that offers the harness's shell tool calls it (`echo prorl-recorded
 call answers "Done.". Every request is written, in order, to
 tests/data/harness_requests/<harness>-<version>/NN.json: method, path, headers (the key and
 anything secret-like replaced by "<redacted>"), the JSON body, and the status the gateway gave.
-tests/unit/test_harness_requests.py replays them in the fast suite, so a harness upgrade that
+tests/unit/gateway/test_harness_requests.py replays them in the fast suite, so a harness upgrade that
 changes what it sends is caught by recording again:
 
     npm install --prefix DIR @openai/codex @anthropic-ai/claude-code @google/gemini-cli \\

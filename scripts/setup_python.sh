@@ -54,7 +54,7 @@ LLAMA_CPP="llama-cpp-python==0.3.36"  # as in pyproject.toml's embedded extra
 LLAMA_CMAKE_ARGS="${LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF}"
 stamp="$VENV/.llama-cpp-build"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$LLAMA_CPP $LLAMA_CMAKE_ARGS" ]]; then
-    echo "setup-python: building $LLAMA_CPP from source (about 5 minutes on 2 cores)"
+    echo "setup-python: building $LLAMA_CPP from source (9 to 13 minutes on 2 cores)"
     "$VENV/bin/python" -m pip uninstall --quiet --yes llama-cpp-python >/dev/null 2>&1 || true
     CMAKE_ARGS="$LLAMA_CMAKE_ARGS" "${pip[@]}" --no-cache-dir "$LLAMA_CPP"
     echo "$LLAMA_CPP $LLAMA_CMAKE_ARGS" > "$stamp"

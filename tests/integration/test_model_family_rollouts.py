@@ -11,7 +11,7 @@ import pytest
 
 from prorl_client import v1
 from tests.fakes.token_servers import FakeVLLM
-from tests.unit.model_families import FAMILIES
+from tests.unit.llm.model_families import FAMILIES
 
 pytestmark = pytest.mark.podman
 

@@ -310,7 +310,7 @@ async def test_a_database_that_does_not_exist_is_named(postgres_cluster: Postgre
 
 
 class Manager:
-    """A JobManager on the fakes (as in tests/unit/test_job_manager.py) with a PostgreSQL store."""
+    """A JobManager on the fakes (as in tests/unit/jobs/test_job_manager.py) with a PostgreSQL store."""
 
     def __init__(self, provider: FakeSandboxProvider, url: str) -> None:
         self.backend = ScriptedChatBackend(self.script)

@@ -28,7 +28,7 @@ from prorl_server.sandbox.podman import PodmanProvider
 from prorl_server.verifiers.swe import SWEVerdict, judge
 from tests.adversarial.test_swe_verdicts import JUMP_OVER_ASSERTS
 from tests.conftest import small_spec
-from tests.unit.test_swebench_semantics import Official, official, spec_of
+from tests.unit.verifiers.test_swebench_semantics import Official, official, spec_of
 
 pytestmark = pytest.mark.podman
 __all__ = ["official"]  # the fixture, imported for these tests

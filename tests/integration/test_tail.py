@@ -3,7 +3,7 @@ once, whatever stops the tail or its server.
 
 The real command runs as a child process against a real server on a fixed port over a SQLite
 store (stopped and started again on the same port and store, as in a deploy); no Podman, no
-model (a fake sandbox provider and a scripted LLM backend, as in tests/unit/test_subscribe.py).
+model (a fake sandbox provider and a scripted LLM backend, as in tests/unit/jobs/test_subscribe.py).
 Also: the start-up recovery of an output that holds more than its cursor file says (a kill
 between the two writes), a cursor behind retention, Parquet without pyarrow, and the example
 consumer of examples/consumers.

@@ -23,7 +23,7 @@ from prorl_client import v1
 from tests.conftest import job_containers
 from tests.fakes.scripted_llm import ScriptedReply, api_tool_call, tool_call_text, turn_index
 from tests.fakes.token_servers import FakeVLLM, write_tiny_tokenizer
-from tests.unit.test_terminal_family import WRONG
+from tests.unit.agents.test_terminal_family import WRONG
 
 pytestmark = pytest.mark.podman
 

@@ -60,7 +60,7 @@ _REGISTRY_HOST = re.compile(r"^(localhost|[^/]*[.:][^/]*)/")
 
 # swebench 4.1.0's MAP_REPO_VERSION_TO_SPECS (Python repositories, the versions
 # with a test command): kept equal to prorl_server/verifiers/swebench/specs.json
-# by tests/unit/test_swe_import.py (the client does not import the server).
+# by tests/unit/client/test_swe_import.py (the client does not import the server).
 _OFFICIAL_VERSIONS = {
     "astropy/astropy": "0.1 0.2 0.3 0.4 1.1 1.2 1.3 3.0 3.1 3.2 4.1 4.2 4.3 5.0 5.1 5.2 v5.3",
     "django/django": "1.4 1.5 1.6 1.7 1.8 1.9 1.10 1.11 2.0 2.1 2.2 3.0 3.1 3.2 4.0 4.1 4.2 5.0 5.1 5.2",

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 from prorl_server.sandbox.runtime.prorl_sandbox_runtime import wire
 
 Op = Literal["bash", "python", "edit", "read_file", "write_file", "list_dir", "health", "judge", "reset"]
-"""wire.OPS, as a type (tests/unit/test_runtime_wire.py keeps the two equal)."""
+"""wire.OPS, as a type (tests/unit/sandbox/test_runtime_wire.py keeps the two equal)."""
 
 
 # --- results the agents see --------------------------------------------------------------

@@ -6,7 +6,7 @@ its last release that defines the per-version specs in code, for those;
 swebench 5 rows carry their own `eval_script`, `log_parser` and `eval_type`).
 
 Nothing here imports swebench: the server does not depend on it (its
-dependencies pull docker, modal and datasets). tests/unit/test_swebench_semantics.py
+dependencies pull docker, modal and datasets). tests/unit/verifiers/test_swebench_semantics.py
 compares every function with swebench's own, installed for the tests with
 `pip install --no-deps swebench==5.0.2 unidiff`.
 

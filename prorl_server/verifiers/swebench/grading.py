@@ -7,7 +7,7 @@ markers and failure signatures, the same fall-back to the whole log, the same
 check of the recorded exit status, the same rules per test (PASSED and XFAIL
 pass; for PASS_TO_PASS a SKIPPED test is kept; a FAIL_TO_PASS test that is
 skipped or absent fails; truncated parametrised ids matched by prefix).
-tests/unit/test_swebench_semantics.py checks each against swebench's own.
+tests/unit/verifiers/test_swebench_semantics.py checks each against swebench's own.
 
 A log is what the code under test printed, among other things: a patch can
 print a PASSED line for any test. `cross_check` is how a judge that also has

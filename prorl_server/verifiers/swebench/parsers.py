@@ -7,7 +7,7 @@ Copyright (c) 2023 Carlos E Jimenez, John Yang, Alexander Wettig, Shunyu Yao,
 Kexin Pei, Ofir Press, Karthik R Narasimhan) line for line, without its
 `test_spec` argument, which none of the Python parsers reads; the names are
 those of swebench's PARSER_REGISTRY, which a 5.x instance names in its
-`log_parser` field. tests/unit/test_swebench_semantics.py runs them beside
+`log_parser` field. tests/unit/verifiers/test_swebench_semantics.py runs them beside
 swebench's own on the same logs.
 
 A parser reads whatever the log says: a patch whose code prints
