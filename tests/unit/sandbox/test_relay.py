@@ -1,4 +1,4 @@
-"""The HTTP gateway without Podman: the real runtime in a local process (the fake provider)
+"""The HTTP relay into a sandbox, without Podman: the real runtime in a local process (the fake provider)
 listens on loopback and relays to a handler in this test; the clients are programs run
 inside the sandbox with `sandbox.python` (http.client, urllib, raw sockets)."""
 
@@ -33,15 +33,15 @@ async def sandbox(fake_provider: FakeSandboxProvider) -> AsyncIterator[Sandbox]:
     await sandbox.close()
 
 
-async def inside(sandbox: Sandbox, gateway: RelayHandle, code: str) -> str:
-    """Run `code` in the sandbox's Python with PORT bound to the gateway's port; its output."""
-    result = await sandbox.python(f"PORT = {gateway.port}\n{code}", timeout_s=60)
+async def inside(sandbox: Sandbox, relay: RelayHandle, code: str) -> str:
+    """Run `code` in the sandbox's Python with PORT bound to the relay's port; its output."""
+    result = await sandbox.python(f"PORT = {relay.port}\n{code}", timeout_s=60)
     assert not result.is_error, result.output
     return result.output
 
 
 def fetch(path: str) -> str:
-    """Code that prints the body of a GET of `path` from the gateway, from inside."""
+    """Code that prints the body of a GET of `path` from the relay, from inside."""
     return f"import urllib.request\nprint(urllib.request.urlopen('http://127.0.0.1:%d{path}' % PORT).read())"
 
 
@@ -65,12 +65,12 @@ async def test_a_json_request_and_its_response_round_trip(sandbox: Sandbox) -> N
         seen.append(request)
         return json_response({"echo": json.loads(request.body or b"null"), "n": len(seen)}, 201, **{"x-trace": "t-1"})
 
-    gateway = await sandbox.open_relay(handler)
-    assert isinstance(gateway, SocketRelay) and 0 < gateway.port < 65536 and not gateway.closed
-    assert gateway.url == f"http://127.0.0.1:{gateway.port}"
+    relay = await sandbox.open_relay(handler)
+    assert isinstance(relay, SocketRelay) and 0 < relay.port < 65536 and not relay.closed
+    assert relay.url == f"http://127.0.0.1:{relay.port}"
     output = await inside(
         sandbox,
-        gateway,
+        relay,
         """
 import http.client, json, urllib.request
 c = http.client.HTTPConnection("127.0.0.1", PORT, timeout=30)
@@ -102,7 +102,7 @@ print(json.dumps([first, second, third]))
     assert all(name == name.lower() for name in post.headers)
     assert get.method == "GET" and get.path == "/v1/models" and get.body == b""
     assert other.path == "/v1/other"
-    await gateway.close()
+    await relay.close()
 
 
 async def test_a_streamed_body_arrives_piece_by_piece_as_it_is_produced(sandbox: Sandbox) -> None:
@@ -131,10 +131,10 @@ async def test_a_streamed_body_arrives_piece_by_piece_as_it_is_produced(sandbox:
             return HttpResponse(204)
         return HttpResponse(200, {"content-type": "text/event-stream", "cache-control": "no-cache"}, events())
 
-    gateway = await sandbox.open_relay(handler)
+    relay = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
-        gateway,
+        relay,
         """
 import http.client, json, urllib.request
 c = http.client.HTTPConnection("127.0.0.1", PORT, timeout=30)
@@ -161,7 +161,7 @@ print(json.dumps({"events": events, "encoding": r.getheader("transfer-encoding")
         "type": "text/event-stream",
     }
     assert log == ["sent one", "ack 1", "sent two", "ack 2", "sent three", "ack 3"]
-    await gateway.close()
+    await relay.close()
 
 
 async def test_twenty_requests_are_served_at_once(sandbox: Sandbox) -> None:
@@ -182,10 +182,10 @@ async def test_twenty_requests_are_served_at_once(sandbox: Sandbox) -> None:
             in_flight -= 1
         return json_response({"path": request.path, "body": request.body.decode()})
 
-    gateway = await sandbox.open_relay(handler)
+    relay = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
-        gateway,
+        relay,
         """
 import json, urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -202,7 +202,7 @@ with ThreadPoolExecutor(20) as pool:
     assert [status for status, _ in results] == [200] * 20
     assert [body for _, body in results] == [{"path": f"/c/{i}", "body": f"payload {i} " * 50} for i in range(20)]
     assert peak == 20
-    await gateway.close()
+    await relay.close()
 
 
 async def test_a_program_that_goes_away_cancels_its_handler(sandbox: Sandbox) -> None:
@@ -230,11 +230,11 @@ async def test_a_program_that_goes_away_cancels_its_handler(sandbox: Sandbox) ->
             raise
         raise AssertionError("unreachable")
 
-    gateway = await sandbox.open_relay(handler)
-    assert isinstance(gateway, SocketRelay)
+    relay = await sandbox.open_relay(handler)
+    assert isinstance(relay, SocketRelay)
     output = await inside(
         sandbox,
-        gateway,
+        relay,
         """
 import http.client, socket
 c = http.client.HTTPConnection("127.0.0.1", PORT, timeout=30)
@@ -252,15 +252,15 @@ s.sendall(b"GET /slow HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
     await asyncio.wait_for(cancelled["stream"].wait(), WAIT_S)
     await asyncio.wait_for(started["slow"].wait(), WAIT_S)
     assert not cancelled["slow"].is_set()
-    await inside(sandbox, gateway, "s.close()")  # gone before any answer
+    await inside(sandbox, relay, "s.close()")  # gone before any answer
     await asyncio.wait_for(cancelled["slow"].wait(), WAIT_S)
     await assert_eventually(
-        lambda: gateway.in_flight == 0, timeout_s=WAIT_S, message="a relayed request stayed in flight"
+        lambda: relay.in_flight == 0, timeout_s=WAIT_S, message="a relayed request stayed in flight"
     )
-    await gateway.close()
+    await relay.close()
 
 
-async def test_a_failing_handler_answers_500_and_the_gateway_goes_on(sandbox: Sandbox) -> None:
+async def test_a_failing_handler_answers_500_and_the_relay_goes_on(sandbox: Sandbox) -> None:
     async def broken_body() -> AsyncIterator[bytes]:
         yield b"partial"
         raise RuntimeError("the stream broke")
@@ -277,10 +277,10 @@ async def test_a_failing_handler_answers_500_and_the_gateway_goes_on(sandbox: Sa
             return HttpResponse(42)
         return json_response({"fine": True})
 
-    gateway = await sandbox.open_relay(handler)
+    relay = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
-        gateway,
+        relay,
         """
 import http.client, json
 def get(path):
@@ -302,7 +302,7 @@ print(json.dumps([get("/boom"), get("/broken-stream"), get("/not-a-response"), g
     assert "ValueError" in error["message"] and "secret" not in error["message"]
     assert broken == [200, "incomplete", "partial"]  # cut, not ended as if complete
     assert fine == [200, "application/json", '{"fine": true}']
-    await gateway.close()
+    await relay.close()
 
 
 async def test_a_chunked_request_body_reaches_the_handler_whole(sandbox: Sandbox) -> None:
@@ -312,10 +312,10 @@ async def test_a_chunked_request_body_reaches_the_handler_whole(sandbox: Sandbox
         seen.append(request)
         return json_response({"size": len(request.body)})
 
-    gateway = await sandbox.open_relay(handler)
+    relay = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
-        gateway,
+        relay,
         """
 import http.client, json, socket
 c = http.client.HTTPConnection("127.0.0.1", PORT, timeout=30)
@@ -341,17 +341,17 @@ print(json.dumps([chunked, expect, too_big]))
     assert upload.headers["content-length"] == str(len(expected)) and "transfer-encoding" not in upload.headers
     assert cont.method == "PUT" and cont.body == b"x" * 10
     assert [request.path for request in seen] == ["/upload", "/continue"]  # the 413 never reached it
-    await gateway.close()
+    await relay.close()
 
 
 async def test_the_runtimes_refusals_speak_the_format_of_the_api_called(sandbox: Sandbox) -> None:
     """A 413 (or a malformed head) answered by the runtime itself is in the error format of the
     API the path names, as the server's gateway answers: the SDKs of Anthropic and Google read it
     (a Gemini path used to get OpenAI's shape)."""
-    gateway = await sandbox.open_relay(lambda request: asyncio.sleep(0, json_response({})))
+    relay = await sandbox.open_relay(lambda request: asyncio.sleep(0, json_response({})))
     output = await inside(
         sandbox,
-        gateway,
+        relay,
         r"""
 import json, socket
 def refusal(path, extra=""):
@@ -381,7 +381,7 @@ print(json.dumps([refusal(p) for p in paths] + [refusal(paths[2], "Bad Header\r\
         "message": ANY_TEXT,
         "status": "INVALID_ARGUMENT",
     }
-    await gateway.close()
+    await relay.close()
 
 
 class _AnyText(str):
@@ -410,10 +410,10 @@ async def test_large_bodies_cross_whole_both_ways(sandbox: Sandbox) -> None:
 
         return HttpResponse(200, {"x-digest": digest}, pieces())
 
-    gateway = await sandbox.open_relay(handler)
+    relay = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
-        gateway,
+        relay,
         """
 import hashlib, http.client, json, os
 body = os.urandom(5 << 20)
@@ -432,7 +432,7 @@ print(json.dumps(results))
     expected = hashlib.sha256(bytes(range(256)) * (12 * 4096)).hexdigest()
     assert whole == [200, sent, str(12 << 20), 12 << 20, expected]
     assert streamed == [200, sent, None, 12 << 20, expected]
-    await gateway.close()
+    await relay.close()
 
 
 async def test_garbage_gets_400_and_the_runtime_serves_on(sandbox: Sandbox) -> None:
@@ -442,10 +442,10 @@ async def test_garbage_gets_400_and_the_runtime_serves_on(sandbox: Sandbox) -> N
         calls.append(request.path)
         return json_response({"ok": True})
 
-    gateway = await sandbox.open_relay(handler)
+    relay = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
-        gateway,
+        relay,
         r"""
 import json, os, socket
 def exchange(data, half_close=False):
@@ -482,11 +482,11 @@ print(json.dumps([
     assert calls == ["/fine"]
     assert (await sandbox.bash("echo alive", timeout_s=10)).output == "alive\n"
     assert (await sandbox.health()).ok
-    await gateway.close()
+    await relay.close()
 
 
 async def test_the_runtimes_descriptors_stay_out_of_the_agents_processes(sandbox: Sandbox) -> None:
-    """A shell started while the gateway listens and serves a connection inherits none of
+    """A shell started while the relay listens and serves a connection inherits none of
     its sockets (nor the server's): they are close-on-exec."""
     release = asyncio.Event()
     holding = asyncio.Event()
@@ -496,25 +496,25 @@ async def test_the_runtimes_descriptors_stay_out_of_the_agents_processes(sandbox
         await asyncio.wait_for(release.wait(), WAIT_S)
         return json_response({"held": True})
 
-    gateway = await sandbox.open_relay(handler)
-    client = asyncio.ensure_future(inside(sandbox, gateway, fetch("/")))
+    relay = await sandbox.open_relay(handler)
+    client = asyncio.ensure_future(inside(sandbox, relay, fetch("/")))
     await asyncio.wait_for(holding.wait(), WAIT_S)
     fds = await sandbox.bash("ls -l /proc/$$/fd /proc/self/fd", timeout_s=10)  # the first bash: started now
     release.set()
     assert "held" in await client
     assert "socket:" not in fds.output and "pipe:" not in fds.output, fds.output
-    await gateway.close()
+    await relay.close()
 
 
-async def test_closing_the_gateway_stops_the_listener(sandbox: Sandbox) -> None:
+async def test_closing_the_relay_stops_the_listener(sandbox: Sandbox) -> None:
     async def handler(request: HttpRequest) -> HttpResponse:
         return json_response({"path": request.path})
 
-    gateway = await sandbox.open_relay(handler)
-    port = gateway.port
+    relay = await sandbox.open_relay(handler)
+    port = relay.port
     await inside(
         sandbox,
-        gateway,
+        relay,
         """
 import http.client
 kept = http.client.HTTPConnection("127.0.0.1", PORT, timeout=30)
@@ -522,12 +522,12 @@ kept.request("GET", "/first")
 assert kept.getresponse().read() == b'{"path": "/first"}'
 """,
     )
-    await gateway.close()
-    await gateway.close()  # idempotent
-    assert gateway.closed
+    await relay.close()
+    await relay.close()  # idempotent
+    assert relay.closed
     output = await inside(
         sandbox,
-        gateway,
+        relay,
         """
 import socket
 try:
@@ -543,7 +543,7 @@ except (ConnectionError, OSError, http.client.HTTPException) as exc:
 """,
     )
     assert output.split() == ["refused", "cut"]
-    # The port is free again: a new gateway can take it.
+    # The port is free again: a new relay can take it.
     again = await sandbox.open_relay(handler, port=port)
     assert again.port == port
     assert "/second" in await inside(sandbox, again, fetch("/second"))
@@ -553,7 +553,7 @@ except (ConnectionError, OSError, http.client.HTTPException) as exc:
     await again.close()
 
 
-async def test_closing_the_sandbox_closes_its_gateways_first(fake_provider: FakeSandboxProvider) -> None:
+async def test_closing_the_sandbox_closes_its_relays_first(fake_provider: FakeSandboxProvider) -> None:
     sandbox = await fake_provider.create(SPEC)
     started = asyncio.Event()
     cancelled = asyncio.Event()
@@ -567,21 +567,21 @@ async def test_closing_the_sandbox_closes_its_gateways_first(fake_provider: Fake
             raise
         raise AssertionError("unreachable")
 
-    gateway = await sandbox.open_relay(handler)
+    relay = await sandbox.open_relay(handler)
     idle = await sandbox.open_relay(handler)
     client = asyncio.ensure_future(
-        sandbox.python(f"import urllib.request\nurllib.request.urlopen('{gateway.url}/wait').read()", timeout_s=60)
+        sandbox.python(f"import urllib.request\nurllib.request.urlopen('{relay.url}/wait').read()", timeout_s=60)
     )
     await asyncio.wait_for(started.wait(), WAIT_S)
     await sandbox.close()
-    assert cancelled.is_set() and gateway.closed and idle.closed
-    assert refused(gateway.port) and refused(idle.port)
+    assert cancelled.is_set() and relay.closed and idle.closed
+    assert refused(relay.port) and refused(idle.port)
     await asyncio.gather(client, return_exceptions=True)
     with pytest.raises(SandboxError, match="closed"):
         await sandbox.open_relay(handler)
 
 
-async def test_the_official_openai_sdk_streams_through_the_gateway(sandbox: Sandbox) -> None:
+async def test_the_official_openai_sdk_streams_through_the_relay(sandbox: Sandbox) -> None:
     """What agent programs use: the openai SDK (when the sandbox's Python has it), streaming."""
     probe = await sandbox.python("import openai", timeout_s=60)
     if probe.is_error:
@@ -605,10 +605,10 @@ async def test_the_official_openai_sdk_streams_through_the_gateway(sandbox: Sand
         assert json.loads(request.body)["stream"] is True
         return HttpResponse(200, {"content-type": "text/event-stream"}, chunks())
 
-    gateway = await sandbox.open_relay(handler)
+    relay = await sandbox.open_relay(handler)
     output = await inside(
         sandbox,
-        gateway,
+        relay,
         """
 import openai
 client = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % PORT, api_key="sk-test", max_retries=0)
@@ -617,10 +617,10 @@ print("".join(chunk.choices[0].delta.content or "" for chunk in stream))
 """,
     )
     assert output.strip() == "Hello"
-    await gateway.close()
+    await relay.close()
 
 
-async def test_without_the_runtime_there_is_no_gateway() -> None:
+async def test_without_the_runtime_there_is_no_relay() -> None:
     async def run_in_thread(fn: Any) -> Any:
         return fn()
 
