@@ -11,6 +11,12 @@ jumps over asserts, and `PASSED nodeid` lines
 written into pytest's log after its summary (`tampered` once swebench would
 take the log as a valid run that resolves).
 
+The SymPy and Django attacks judge a small variant of their task
+(swe_variants.py: the same repository, base commit and fix, a test_patch that
+adds one small test file), so that each run is seconds of test work and not
+the whole test file; the gold-resolves tests grade the real tasks, and one
+test per variant shows that the gold patch resolves it and no patch does not.
+
 The judge is called directly on a sandbox of the task's image (the server
 path, Submit to reward, is tests/integration/test_swe.py's)."""
 
@@ -28,6 +34,7 @@ from prorl_server.sandbox.podman import PodmanProvider
 from prorl_server.verifiers.swe import SWEVerdict, judge
 from tests.adversarial.test_swe_verdicts import JUMP_OVER_ASSERTS
 from tests.conftest import small_spec
+from tests.integration.swe_variants import django_variant, sympy_variant
 from tests.unit.verifiers.test_swebench_semantics import Official, official, spec_of
 
 pytestmark = pytest.mark.podman
@@ -47,6 +54,9 @@ def swebench(request: pytest.FixtureRequest) -> Official | None:
 
 DJANGO = load_task(TASKS_DIR / "django__django-5.0.14")
 SYMPY = load_task(TASKS_DIR / "sympy__sympy-1.13.3")
+# What the attacks are judged on: the tasks with one small test file each (swe_variants.py).
+DJANGO_SMALL = django_variant(DJANGO)
+SYMPY_SMALL = sympy_variant(SYMPY)
 # The tasks judged by pytest: swebench grades them with parse_log_pytest, its parser for
 # repositories outside its specs (and SWE-Gym's and SWE-smith's).
 PYTEST_TASKS = {
@@ -195,37 +205,57 @@ async def test_django_gold_resolves_empty_does_not_graded_as_swebench(
     assert_graded_as_swebench(swebench, DJANGO, constant, tmp_path)
 
 
+async def test_django_variant_gold_resolves_empty_does_not(
+    provider: PodmanProvider, swebench: Official | None, tmp_path: Path
+) -> None:
+    """The variant the attacks are judged on is passable, and not without the fix: an attack
+    scoring 0 on it is refused, not facing a task nobody can pass."""
+    gold = await run_judge(provider, DJANGO_SMALL, DJANGO_SMALL["patch"])
+    assert gold.verdict == "resolved" and not gold.anomalies, gold
+    assert set(gold.fail_to_pass.values()) | set(gold.pass_to_pass.values()) == {"PASSED"}
+    assert "Ran 2 tests" in gold.test_log
+    assert_graded_as_swebench(swebench, DJANGO_SMALL, gold, tmp_path)
+
+    empty = await run_judge(provider, DJANGO_SMALL, "")
+    assert empty.verdict == "unresolved" and not empty.anomalies, empty
+    assert "PASSED" not in empty.fail_to_pass.values() and set(empty.pass_to_pass.values()) == {"PASSED"}, empty
+    assert_graded_as_swebench(swebench, DJANGO_SMALL, empty, tmp_path)
+
+
 @pytest.mark.parametrize("ending", ["", "import os; os._exit(0)", "raise SystemExit(0)"])
 async def test_django_printed_ok_lines_score_zero(provider: PodmanProvider, ending: str) -> None:
-    names = DJANGO["FAIL_TO_PASS"]
-    code = FORGE_OK.format(names=names, count=len(names), ending=ending)
-    verdict = await run_judge(provider, DJANGO, lambda: appended("django/utils/http.py", code), "django/utils/http.py")
+    names = DJANGO_SMALL["FAIL_TO_PASS"]
+    # With the constant the test runs and fails in a subtest, which Django reports under another name:
+    # the forged line is the only one SWE-bench's parser reads for the test (it would resolve).
+    code = CONSTANT_ONLY + "\n" + FORGE_OK.format(names=names, count=len(names), ending=ending)
+    patch = lambda: appended("django/utils/http.py", code)  # noqa: E731
+    verdict = await run_judge(provider, DJANGO_SMALL, patch, "django/utils/http.py")
     assert not verdict.resolved
     assert verdict.verdict == ("no_verdict" if "_exit" in ending else "tampered"), verdict
     assert " ... ok" in verdict.test_log  # the forged lines were printed, and not believed
 
 
 async def test_django_edited_runtests_is_restored(provider: PodmanProvider) -> None:
-    code = FAKE_RUNTESTS.format(names=DJANGO["FAIL_TO_PASS"])
+    code = FAKE_RUNTESTS.format(names=DJANGO_SMALL["FAIL_TO_PASS"])
     runtests = lambda: appended("tests/runtests.py", code)  # noqa: E731
-    verdict = await run_judge(provider, DJANGO, runtests, "tests/runtests.py")
+    verdict = await run_judge(provider, DJANGO_SMALL, runtests, "tests/runtests.py")
     assert verdict.verdict == "unresolved" and not verdict.resolved, verdict
     assert verdict.reverted["restored"] == ["tests/runtests.py"]
     settings = lambda: appended("tests/test_sqlite.py", code)  # noqa: E731
-    verdict = await run_judge(provider, DJANGO, settings, "tests/test_sqlite.py")
+    verdict = await run_judge(provider, DJANGO_SMALL, settings, "tests/test_sqlite.py")
     assert verdict.verdict == "unresolved" and verdict.reverted["restored"] == ["tests/test_sqlite.py"]
 
 
 async def test_django_monkeypatched_unittest_is_tampering(provider: PodmanProvider) -> None:
     patch = lambda: appended("django/utils/http.py", CONSTANT_ONLY + "\n" + MONKEYPATCH_UNITTEST)  # noqa: E731
-    verdict = await run_judge(provider, DJANGO, patch, "django/utils/http.py")
+    verdict = await run_judge(provider, DJANGO_SMALL, patch, "django/utils/http.py")
     assert verdict.verdict == "tampered" and not verdict.resolved, verdict
     assert any("tampered with" in anomaly and "." in anomaly for anomaly in verdict.anomalies)
 
 
 async def test_django_trace_function_that_jumps_over_asserts_is_tampering(provider: PodmanProvider) -> None:
     patch = lambda: appended("django/utils/http.py", CONSTANT_ONLY + "\n" + JUMP_OVER_ASSERTS)  # noqa: E731
-    verdict = await run_judge(provider, DJANGO, patch, "django/utils/http.py")
+    verdict = await run_judge(provider, DJANGO_SMALL, patch, "django/utils/http.py")
     assert verdict.verdict == "tampered" and not verdict.resolved, verdict
     assert any("trace function set by the code under test" in anomaly for anomaly in verdict.anomalies)
 
@@ -283,6 +313,23 @@ async def test_sympy_gold_resolves_graded_as_swebench(
     assert_graded_as_swebench(swebench, SYMPY, gold, tmp_path)
 
 
+async def test_sympy_variant_gold_resolves_empty_does_not(
+    provider: PodmanProvider, swebench: Official | None, tmp_path: Path
+) -> None:
+    """The variant the attacks are judged on is passable, and not without the fix."""
+    gold = await run_judge(provider, SYMPY_SMALL, SYMPY_SMALL["patch"])
+    assert gold.verdict == "resolved" and not gold.anomalies, gold
+    assert gold.fail_to_pass == {"test_creation": "PASSED"}
+    assert gold.pass_to_pass == {"test_nonempty_creation": "PASSED"}
+    assert_graded_as_swebench(swebench, SYMPY_SMALL, gold, tmp_path)
+
+    empty = await run_judge(provider, SYMPY_SMALL, "")
+    assert empty.verdict == "unresolved" and not empty.anomalies, empty
+    assert empty.fail_to_pass == {"test_creation": "FAILED"}
+    assert empty.pass_to_pass == {"test_nonempty_creation": "PASSED"}
+    assert_graded_as_swebench(swebench, SYMPY_SMALL, empty, tmp_path)
+
+
 async def test_sympy_edited_bin_test_is_restored_and_forged_lines_are_tampering(
     provider: PodmanProvider, swebench: Official | None, tmp_path: Path
 ) -> None:
@@ -292,7 +339,7 @@ async def test_sympy_edited_bin_test_is_restored_and_forged_lines_are_tampering(
     def patch() -> str:
         return appended("bin/test", FAKE_BIN_TEST) + appended("sympy/__init__.py", FORGE_SYMPY)
 
-    verdict = await run_judge(provider, SYMPY, patch, "bin/test", "sympy/__init__.py")
+    verdict = await run_judge(provider, SYMPY_SMALL, patch, "bin/test", "sympy/__init__.py")
     assert verdict.reverted["restored"] == ["bin/test"]
     assert verdict.verdict == "tampered" and not verdict.resolved, verdict
     assert any("test_creation" in anomaly for anomaly in verdict.anomalies)
@@ -301,18 +348,14 @@ async def test_sympy_edited_bin_test_is_restored_and_forged_lines_are_tampering(
 
 async def test_sympy_monkeypatched_reporter_is_tampering(provider: PodmanProvider) -> None:
     patch = lambda: appended("sympy/__init__.py", MONKEYPATCH_REPORTER)  # noqa: E731
-    verdict = await run_judge(provider, SYMPY, patch, "sympy/__init__.py")
+    verdict = await run_judge(provider, SYMPY_SMALL, patch, "sympy/__init__.py")
     assert verdict.verdict == "tampered" and not verdict.resolved, verdict
     assert any("tampered with" in anomaly and "." in anomaly for anomaly in verdict.anomalies)
 
 
-@pytest.mark.skip(
-    reason="over pytest's 900 s here: a trace function over SymPy's whole test file runs every line traced; "
-    "the same attack is refused in Django's runner (test_django_trace_function_that_jumps_over_asserts_is_tampering)"
-)
 async def test_sympy_trace_function_that_jumps_over_asserts_is_tampering(provider: PodmanProvider) -> None:
     patch = lambda: appended("sympy/__init__.py", JUMP_OVER_ASSERTS)  # noqa: E731
-    verdict = await run_judge(provider, SYMPY, patch, "sympy/__init__.py")
+    verdict = await run_judge(provider, SYMPY_SMALL, patch, "sympy/__init__.py")
     assert verdict.verdict == "tampered" and not verdict.resolved, verdict
     assert any("trace function set by the code under test" in anomaly for anomaly in verdict.anomalies)
 
@@ -320,7 +363,7 @@ async def test_sympy_trace_function_that_jumps_over_asserts_is_tampering(provide
 @pytest.mark.parametrize("ending", ["import os; os._exit(0)", "raise SystemExit(0)"])
 async def test_sympy_printed_ok_and_exit_zero_scores_zero(provider: PodmanProvider, ending: str) -> None:
     code = PRINT_AND_EXIT.format(ending=ending)
-    verdict = await run_judge(provider, SYMPY, lambda: appended("sympy/__init__.py", code), "sympy/__init__.py")
+    verdict = await run_judge(provider, SYMPY_SMALL, lambda: appended("sympy/__init__.py", code), "sympy/__init__.py")
     assert not verdict.resolved and "test_creation ok" in verdict.test_log
     assert verdict.verdict == ("no_verdict" if "_exit" in ending else "tampered"), verdict
 
