@@ -191,9 +191,9 @@ async def test_prorl_run_over_a_mixed_dataset(start_server, tmp_path: Path) -> N
         },
         to_task(load_task(TASKS_DIR / "more-itertools__more-itertools-10.8.0")),
     ]
-    for line in lines:
-        line["limits"] = {"max_turns": 2}
-        line["sampling"] = {"max_tokens": 64}
+    for line in lines:  # one short turn each: what is tested is prorl run over every family, not the model
+        line["limits"] = {"max_turns": 1}
+        line["sampling"] = {"max_tokens": 48}
     tasks = tmp_path / "mixed.jsonl"
     tasks.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "results.jsonl"

@@ -42,7 +42,7 @@ def vllm_backend(base_url: str, backend_id: str = "vllm") -> dict[str, Any]:
     }
 
 
-def math_job(question: str, answer: str, index: int, *, max_turns: int = 3, max_tokens: int = 80) -> v1.RolloutRequest:
+def math_job(question: str, answer: str, index: int, *, max_turns: int = 3, max_tokens: int = 48) -> v1.RolloutRequest:
     request = v1.RolloutRequest(handler="math", job_id=f"vllm-math-{index}")
     request.instance.update({"question": question, "answer": answer})
     request.sampling.temperature = TEMPERATURE
