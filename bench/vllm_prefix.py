@@ -136,7 +136,9 @@ async def main() -> None:
         started = "already running" if attached else f"started in {', '.join(f'{s.started_s:.0f}' for s in servers)} s"
         print(f"# real vLLM under the router: 2 servers ({started})")
         print(f"{JOBS} conversations x {TURNS} turns at once, {MAX_TOKENS} new tokens per turn, greedy\n")
-        await conversations(router_for(servers), sticky=True)  # warm-up (compiled paths, allocator)
+        warm_up = router_for(servers)
+        await conversations(warm_up, sticky=True)  # compiled paths, allocator
+        await warm_up.close()
         print("routing              prefix-cache hits / queries (tokens)   hit rate   wall s")
         for sticky in (True, False):
             await reset_caches(servers)
