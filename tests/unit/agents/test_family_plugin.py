@@ -22,8 +22,7 @@ import pytest
 from prorl_server.agents.registry import PluginError, default_registry
 from prorl_server.app import ProrlServer
 from prorl_server.config import load_settings
-
-HANDLERS_MD = Path(__file__).resolve().parents[3] / "docs" / "handlers.md"
+from tests.unit.docs.handlers_md import HANDLERS_MD
 
 
 def doc_blocks() -> tuple[str, str, str]:

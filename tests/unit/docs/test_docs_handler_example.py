@@ -3,11 +3,8 @@ real server (fake sandboxes, scripted LLM, no Podman), scores a right and a wron
 
 from __future__ import annotations
 
-import re
-import sys
 import types
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,19 +18,11 @@ from prorl_server.app import ProrlServer
 from prorl_server.config import load_settings
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text, user_prompt
-
-HANDLERS_MD = Path(__file__).resolve().parents[3] / "docs" / "handlers.md"
+from tests.unit.docs.handlers_md import example_module as handlers_example
 
 
 def example_module() -> types.ModuleType:
-    (code,) = re.findall(r"```python\n(# prorl_server/agents/shell\.py\n.*?)```", HANDLERS_MD.read_text(), re.S)
-    module = types.ModuleType("shell_example")
-    sys.modules[module.__name__] = module  # pydantic resolves the models' annotations through it
-    try:
-        exec(compile(code, str(HANDLERS_MD), "exec"), module.__dict__)
-    finally:
-        del sys.modules[module.__name__]
-    return module
+    return handlers_example("prorl_server/agents/shell.py", "shell_example")
 
 
 def policy(messages: list[dict[str, Any]]) -> ScriptedReply:

@@ -4,10 +4,7 @@ reward is half its own check and half the judge's."""
 
 from __future__ import annotations
 
-import re
-import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,19 +16,11 @@ from tests.conftest import instance_id
 from tests.fakes.sandbox_provider import FakeSandboxProvider
 from tests.fakes.scripted_llm import ScriptedChatBackend, ScriptedReply, tool_call_text
 from tests.helpers import server_settings
-
-HANDLERS_MD = Path(__file__).resolve().parents[3] / "docs" / "handlers.md"
+from tests.unit.docs.handlers_md import example_module as handlers_example
 
 
 def example_module() -> types.ModuleType:
-    (code,) = re.findall(r"```python\n(# prorl_server/agents/explained\.py\n.*?)```", HANDLERS_MD.read_text(), re.S)
-    module = types.ModuleType("explained_example")
-    sys.modules[module.__name__] = module  # pydantic resolves the models' annotations through it
-    try:
-        exec(compile(code, str(HANDLERS_MD), "exec"), module.__dict__)
-    finally:
-        del sys.modules[module.__name__]
-    return module
+    return handlers_example("prorl_server/agents/explained.py", "explained_example")
 
 
 def grader(messages: list[dict[str, Any]]) -> ScriptedReply:
